@@ -1,0 +1,61 @@
+# specforge_dspark: every target installs what it needs (make setup) first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+TINY_TARGET := .cache/tiny_target
+NPROC ?= 2
+
+# Hermetic runs: nothing reaches a hub; caches stay inside the repo.
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export HF_HUB_DISABLE_TELEMETRY := 1
+export TOKENIZERS_PARALLELISM := false
+export HF_HOME := $(CURDIR)/.cache/hf
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
+export TRITON_CACHE_DIR := $(CURDIR)/.cache/triton
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup demo test lint format bench tiny-target clean
+
+setup: $(STAMP)
+
+# Re-runs only when the dependency files change. torch is pinned by constraints.txt
+# through every install so that no package swaps in another torch build.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+	DS_BUILD_OPS=0 $(PIP) install -q -c constraints.txt -e ".[dev,sglang]"
+	$(PIP) install -q -c constraints.txt --no-deps sglang==0.5.23
+	touch $@
+
+tiny-target: setup
+	$(PY) -m specforge_dspark.tiny_target --out $(TINY_TARGET)
+
+demo: setup tiny-target
+	$(PY) scripts/demo.py --nproc $(NPROC)
+
+test: setup
+	$(PY) -m pytest tests
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: setup tiny-target
+	$(PY) -m specforge_dspark.bench all
+
+clean:
+	rm -rf runs .cache .pytest_cache .ruff_cache
+	find . -name __pycache__ -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)
