@@ -395,8 +395,7 @@ def validate(r: Recipe) -> list[str]:
     need(d.vocab_size > 0, "draft.vocab_size must be > 0")
     need(
         0 <= d.mask_token_id < d.vocab_size,
-        f"draft.mask_token_id ({d.mask_token_id}) must be in [0, draft.vocab_size="
-        f"{d.vocab_size})",
+        f"draft.mask_token_id ({d.mask_token_id}) must be in [0, draft.vocab_size={d.vocab_size})",
     )
     need(d.markov_rank > 0, f"draft.markov_rank must be > 0, got {d.markov_rank}")
     need(len(d.target_layer_ids) >= 1, "draft.target_layer_ids must name at least one layer")

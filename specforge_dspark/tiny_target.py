@@ -14,6 +14,7 @@ folder holding a `.build_key` equal to this builder's key is reused as it is.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import random
@@ -94,7 +95,10 @@ def _corpus(limit: int = 4000) -> list[dict]:
     share = json.loads((SHARED_DATA / "train" / "sharegpt_sample.json").read_text())
     roles = {"human": "user", "gpt": "assistant"}
     for conv in share:
-        msgs = [{"role": roles.get(t["from"], "user"), "content": t["value"]} for t in conv["conversations"]]
+        msgs = [
+            {"role": roles.get(t["from"], "user"), "content": t["value"]}
+            for t in conv["conversations"]
+        ]
         rows.append(msgs)
     return rows
 
@@ -193,22 +197,48 @@ def pretrain(model, tokenizer, convs: list[list[dict]], steps: int, seed: int, l
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
         if step % 50 == 0 or step == steps - 1:
-            log(f"  pretrain step {step + 1}/{steps} loss {loss.item():.3f} ({time.time() - t0:.0f}s)")
+            took = time.time() - t0
+            log(f"  pretrain step {step + 1}/{steps} loss {loss.item():.3f} ({took:.0f}s)")
     model.eval()
     return losses
 
 
-def build(out: Path, vocab: int = 1024, hidden: int = 128, layers: int = 4,
-          pretrain_steps: int = 300, seed: int = 0, force: bool = False, log=print) -> Path:
+def build(
+    out: Path,
+    vocab: int = 1024,
+    hidden: int = 128,
+    layers: int = 4,
+    pretrain_steps: int = 300,
+    seed: int = 0,
+    force: bool = False,
+    log=print,
+) -> Path:
     """Build (or reuse) the tiny target at `out`; returns `out`."""
-    settings = {"version": BUILD_VERSION, "vocab": vocab, "hidden": hidden, "layers": layers,
-                "pretrain_steps": pretrain_steps, "seed": seed}
+    settings = {
+        "version": BUILD_VERSION,
+        "vocab": vocab,
+        "hidden": hidden,
+        "layers": layers,
+        "pretrain_steps": pretrain_steps,
+        "seed": seed,
+    }
     key = build_key(settings)
     marker = out / ".build_key"
-    if not force and marker.is_file() and marker.read_text().strip() == key:
-        log(f"tiny target: reusing {out} (build key {key})")
-        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent builders (test workers) wait here
+        if not force and marker.is_file() and marker.read_text().strip() == key:
+            log(f"tiny target: reusing {out} (build key {key})")
+            return out
+        _build_into(out, settings, key, log)
+    return out
+
+
+def _build_into(out: Path, settings: dict, key: str, log) -> None:
     from transformers.models.inkling import InklingForCausalLM
+
+    vocab, hidden, layers = settings["vocab"], settings["hidden"], settings["layers"]
+    pretrain_steps, seed = settings["pretrain_steps"], settings["seed"]
 
     log(f"tiny target: building {out} ({settings})")
     random.seed(seed)
@@ -219,7 +249,10 @@ def build(out: Path, vocab: int = 1024, hidden: int = 128, layers: int = 4,
     cfg = make_config(tokenizer, hidden, layers)
     model = InklingForCausalLM(cfg)
     losses = pretrain(model, tokenizer, convs, pretrain_steps, seed, log)
-    model.generation_config.eos_token_id = [cfg.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    model.generation_config.eos_token_id = [
+        cfg.eos_token_id,
+        tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    ]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.do_sample = False
 
@@ -227,14 +260,22 @@ def build(out: Path, vocab: int = 1024, hidden: int = 128, layers: int = 4,
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    (tmp / "build_info.json").write_text(json.dumps(
-        {"settings": settings, "key": key, "pretrain_losses": losses[:: max(1, len(losses) // 20)],
-         "mask_token_id": tokenizer.mask_token_id, "tokenizer_size": len(tokenizer)}, indent=1))
+    (tmp / "build_info.json").write_text(
+        json.dumps(
+            {
+                "settings": settings,
+                "key": key,
+                "pretrain_losses": losses[:: max(1, len(losses) // 20)],
+                "mask_token_id": tokenizer.mask_token_id,
+                "tokenizer_size": len(tokenizer),
+            },
+            indent=1,
+        )
+    )
     (tmp / ".build_key").write_text(key)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     log(f"tiny target: saved to {out}")
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

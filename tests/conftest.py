@@ -1,0 +1,35 @@
+"""Shared fixtures: hermetic environment and the cached tiny Inkling target."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(var, "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HOME", str(REPO / ".cache" / "hf"))
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+
+
+@pytest.fixture(scope="session")
+def repo() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir() -> Path:
+    """The tiny target at .cache/tiny_target, built once (cached by its build key)."""
+    from specforge_dspark.tiny_target import build
+
+    return build(REPO / ".cache" / "tiny_target", log=lambda *a: None)
