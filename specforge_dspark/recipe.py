@@ -80,7 +80,7 @@ class DraftRecipe:
     vocab_size: int = 1024
     """Rows of the target LM head (padded vocabulary)."""
     block_size: int = 7
-    target_layer_ids: list[int] = field(default_factory=lambda: [1, 3])
+    target_layer_ids: list[int] = field(default_factory=lambda: [0, 2])
     num_target_layers: int = 4
     mask_token_id: int = 0
     markov_rank: int = 64

@@ -1,0 +1,70 @@
+"""Rank-0 tracking: trackio (local SQLite, offline) and a console progress bar with ETA."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from specforge_dspark.recipe import Recipe
+
+
+class Tracker:
+    """Logs scalars to trackio and drives the progress bar; a no-op on ranks other than 0."""
+
+    def __init__(
+        self, recipe: Recipe, rank: int, total_steps: int, start_step: int, trackio_dir: Path
+    ):
+        self.active = rank == 0
+        self._run = None
+        if self.active and recipe.tracking.enabled:
+            if recipe.tracking.dir or "TRACKIO_DIR" not in os.environ:
+                os.environ["TRACKIO_DIR"] = str(Path(trackio_dir).resolve())
+            Path(os.environ["TRACKIO_DIR"]).mkdir(parents=True, exist_ok=True)
+            import trackio  # reads TRACKIO_DIR at import
+
+            self._trackio = trackio
+            self.project = recipe.tracking.project
+            self.run_name = recipe.tracking.run_name or Path(recipe.source).stem or "run"
+            self._run = trackio.init(
+                project=self.project,
+                name=self.run_name,
+                config=recipe.to_dict(),
+                resume="allow",
+                embed=False,
+                auto_log_cpu=False,
+                auto_log_gpu=False,
+            )
+        self.bar = tqdm(
+            total=total_steps,
+            initial=start_step,
+            disable=not self.active,
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stderr,
+            mininterval=1.0,
+        )
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        if self._run is not None:
+            self._trackio.log(metrics, step=step)
+        short = {k: metrics[k] for k in ("loss", "tau", "lr") if k in metrics}
+        self.bar.set_postfix({k: f"{v:.4g}" for k, v in short.items()}, refresh=False)
+
+    def advance(self, n: int = 1) -> None:
+        self.bar.update(n)
+
+    def write(self, line: str) -> None:
+        if self.active:
+            self.bar.write(line)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self._run is not None:
+            self._trackio.finish()
+            self._run = None

@@ -1,0 +1,153 @@
+"""Strict recipe loading: every shipped recipe, typos, types, cross-field checks, overrides."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specforge_dspark.recipe import RecipeError, load_recipe, recipe_from_dict
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+def test_recipes_exist():
+    names = {p.name for p in RECIPES}
+    assert {"inkling_nvfp4.yaml", "tiny_cpu.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_loads_and_builds_on_meta(path):
+    from specforge_dspark.model import DSparkConfig, DSparkDraft
+
+    r = load_recipe(path)
+    with torch.device("meta"):
+        draft = DSparkDraft(DSparkConfig.from_recipe(r.draft))
+    assert sum(p.numel() for p in draft.parameters()) > 0
+    assert draft.config.block_size == r.draft.block_size
+
+
+def test_production_values_match_spec():
+    r = load_recipe(REPO / "recipes" / "inkling_nvfp4.yaml")
+    d, o = r.draft, r.objective
+    assert (d.hidden_size, d.num_hidden_layers, d.num_attention_heads) == (6144, 5, 64)
+    assert (d.num_key_value_heads, d.head_dim, d.intermediate_size) == (16, 64, 12288)
+    assert (d.vocab_size, d.mask_token_id, d.block_size) == (201024, 200064, 7)
+    assert d.target_layer_ids == [5, 17, 35, 47, 59] and d.num_target_layers == 66
+    assert (d.markov_rank, d.markov_head_type, d.rope_theta) == (256, "vanilla", 8e6)
+    assert (o.num_anchors, o.ce_weight, o.l1_weight, o.bce_weight, o.gamma) == (
+        512, 0.1, 0.9, 1.0, 4.0
+    )
+    p = r.optim
+    assert (p.lr, p.warmup_ratio, p.grad_clip, p.scheduler) == (6e-4, 0.04, 1.0, "cosine")
+    assert r.train.epochs == 10 and r.data.max_length == 4096
+    sa = r.target.sglang.server_args
+    assert sa["tp_size"] == 8 and sa["quantization"] == "modelopt_fp4"
+    assert sa["page_size"] == 128 and sa["attention_backend"] == "fa4"
+
+
+def _write(tmp_path, text: str) -> Path:
+    p = tmp_path / "r.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_typo_names_key_and_suggests(tmp_path):
+    p = _write(tmp_path, "objective:\n  num_anchor: 512\n")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(p)
+    msg = str(e.value)
+    assert "objective.num_anchor" in msg and "did you mean objective.num_anchors" in msg
+    assert str(p) in msg
+
+
+def test_typo_in_section_name(tmp_path):
+    with pytest.raises(RecipeError, match="unknown key objectve; did you mean objective"):
+        load_recipe(_write(tmp_path, "objectve:\n  num_anchors: 512\n"))
+
+
+def test_problems_are_collected_into_one_error(tmp_path):
+    text = (
+        "draft:\n  block_size: 1\n  mask_token_id: 5000\n  vocab_size: 1000\n"
+        "  target_layer_ids: [0, 9]\n  num_target_layers: 4\n"
+        "objective:\n  num_anchors: 0\n  ce_weight: -0.1\n"
+        "optim:\n  lr: fast\n"
+    )
+    with pytest.raises(RecipeError) as e:
+        load_recipe(_write(tmp_path, text))
+    msg = str(e.value)
+    for needle in (
+        "draft.block_size must be >= 2",
+        "draft.mask_token_id (5000) must be in [0, draft.vocab_size=1000)",
+        "draft.target_layer_ids[1]=9 is outside the target's layers",
+        "objective.num_anchors must be >= 1",
+        "objective.ce_weight must be >= 0",
+        "optim.lr: expected a number, got 'fast'",
+    ):
+        assert needle in msg, needle
+    assert "6 problem(s)" in msg
+
+
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        ({"draft": {"num_attention_heads": 6, "num_key_value_heads": 4}}, "multiple of"),
+        ({"draft": {"target_layer_ids": [1, 1]}}, "repeats layer(s) [1]"),
+        ({"draft": {"markov_head_type": "lstm"}}, "'lstm' is not one of"),
+        ({"train": {"micro_batch_size": "2"}}, "train.micro_batch_size: expected an integer"),
+        ({"target": {"backend": "offline"}}, "target.offline_dir must be set"),
+        ({"export": {"formats": ["sglang", "onnx"]}}, "export.formats[1]: 'onnx'"),
+        ({"draft": {"enable_confidence_head": "yes"}}, "expected true/false"),
+        ({"dist": {"zero_stage": 4}}, "dist.zero_stage must be 0-3"),
+    ],
+)
+def test_bad_values(raw, needle):
+    with pytest.raises(RecipeError) as e:
+        recipe_from_dict(raw)
+    assert needle in str(e.value)
+
+
+def test_overrides_are_checked_like_the_file():
+    path = REPO / "recipes" / "tiny_cpu.yaml"
+    r = load_recipe(path, ["objective.num_anchors=16", "optim.betas=[0.8, 0.9]"])
+    assert r.objective.num_anchors == 16 and r.optim.betas == [0.8, 0.9]
+    with pytest.raises(RecipeError, match="objective.num_anchors must be >= 1"):
+        load_recipe(path, ["objective.num_anchors=0"])
+    with pytest.raises(RecipeError, match="did you mean objective.chunk_size"):
+        load_recipe(path, ["objective.chunk_sise=8"])
+    with pytest.raises(RecipeError, match="expected key.sub=value"):
+        load_recipe(path, ["objective.num_anchors"])
+
+
+def test_section_hash_tracks_values():
+    a = recipe_from_dict({})
+    b = recipe_from_dict({"objective": {"num_anchors": 7}})
+    assert a.section_hash("objective") != b.section_hash("objective")
+    assert a.section_hash("draft") == b.section_hash("draft")
+
+
+def _dry_run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "--dry-run", *args],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )
+
+
+def test_dry_run_production_param_count():
+    p = _dry_run("--recipe", "recipes/inkling_nvfp4.yaml")
+    assert p.returncode == 0, p.stderr
+    assert "trainable_params: 1738783617" in p.stdout.splitlines()
+
+
+def test_dry_run_bad_recipe_is_one_message_not_a_traceback(tmp_path):
+    bad = tmp_path / "typo.yaml"
+    bad.write_text((REPO / "recipes" / "tiny_cpu.yaml").read_text().replace(
+        "num_anchors:", "num_anchor:"))
+    p = _dry_run("--recipe", str(bad))
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr
+    assert "unknown key objective.num_anchor; did you mean objective.num_anchors?" in p.stderr

@@ -1,0 +1,59 @@
+"""The tiny target is a real Inkling checkpoint that loads offline from its folder."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specforge_dspark.recipe import load_recipe
+
+
+def test_loads_offline_with_auto_classes(tiny_target_dir, repo):
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    cfg = model.config
+    assert type(model).__name__ == "InklingForCausalLM"
+    assert {"hybrid", "hybrid_sliding"} <= set(cfg.layer_types)  # hybrid attention
+    assert "sparse" in cfg.mlp_layer_types and cfg.n_routed_experts > 1  # MoE
+    assert cfg.logits_mup_width_multiplier != 1.0
+    assert cfg.unpadded_vocab_size == len(tok) < cfg.vocab_size  # padded LM head rows
+    assert tok.mask_token_id is not None and tok.mask_token_id < len(tok)
+    # the tiny recipe is consistent with the target it trains against
+    r = load_recipe(repo / "recipes" / "tiny_cpu.yaml")
+    assert r.draft.vocab_size == cfg.vocab_size and r.draft.hidden_size == cfg.hidden_size
+    assert r.draft.num_target_layers == cfg.num_hidden_layers
+    assert r.draft.mask_token_id == tok.mask_token_id
+    assert max(r.draft.target_layer_ids) <= cfg.num_hidden_layers - 2 and len(
+        r.draft.target_layer_ids) >= 2
+
+
+def test_chat_template_and_generation(tiny_target_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    msgs = [{"role": "user", "content": "How many apples?"},
+            {"role": "assistant", "content": "Three apples."}]
+    text = tok.apply_chat_template(msgs, tokenize=False)
+    assert text == ("<|im_start|>user\nHow many apples?<|im_end|>\n"
+                    "<|im_start|>assistant\nThree apples.<|im_end|>\n")
+    prompt = tok.apply_chat_template(msgs[:1], add_generation_prompt=True, tokenize=False,
+                                     enable_thinking=False)
+    assert prompt.endswith("<|im_start|>assistant\n<think></think>")
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
+    ids = tok.apply_chat_template(msgs[:1], add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=False)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    words = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert sum(c.isalpha() for c in words) > 10  # text-like after pre-training, not byte noise
+
+
+def test_pretraining_lowered_the_loss_and_build_is_cached(tiny_target_dir):
+    from specforge_dspark.tiny_target import build
+
+    info = json.loads((tiny_target_dir / "build_info.json").read_text())
+    losses = info["pretrain_losses"]
+    assert losses[-1] < losses[0] - 2.0
+    before = (tiny_target_dir / "model.safetensors").stat().st_mtime_ns
+    build(tiny_target_dir, log=lambda *a: None)
+    assert (tiny_target_dir / "model.safetensors").stat().st_mtime_ns == before

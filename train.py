@@ -1,0 +1,395 @@
+"""Train a DSpark drafter by online distillation from a live, frozen target.
+
+    torchrun --nproc_per_node 8 train.py --recipe recipes/inkling_nvfp4.yaml
+    torchrun --nproc_per_node 2 train.py --recipe recipes/tiny_cpu.yaml --resume auto
+    python train.py --recipe R.yaml --dry-run [section.key=value ...]
+
+main(argv) -> load_recipe -> build -> train. Each rank streams the target's aux hidden
+states for its shard of the data (FeatureStream), runs the draft over sampled anchor
+blocks, and DeepSpeed (ZeRO) steps the draft; the target's embedding and LM head are
+frozen and replicated outside the optimizer. Importing this file does nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specforge_dspark.recipe import Recipe, RecipeError, load_recipe, resolved_dirs
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipe", required=True, help="recipe YAML (see recipes/)")
+    ap.add_argument("--dry-run", action="store_true", help="validate, build on meta, summarise")
+    ap.add_argument(
+        "--resume", default="auto", help="auto (latest complete checkpoint), none, or a step dir"
+    )
+    ap.add_argument(
+        "--stop-at-step", type=int, default=0, help="save and stop at this step (preemption drill)"
+    )
+    ap.add_argument("overrides", nargs="*", help="recipe overrides, e.g. objective.num_anchors=256")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        return dry_run(recipe)
+    from specforge_dspark.checkpoint import ResumeError
+
+    try:
+        run = build(recipe, args.resume)
+        train(run, stop_at_step=args.stop_at_step)
+    except (ResumeError, RecipeError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+# --------------------------------------------------------------------------- dry run
+
+
+def dry_run(recipe: Recipe) -> int:
+    """Build the draft on the meta device and print what a real run would hold."""
+    from specforge_dspark.model import DSparkConfig, DSparkDraft
+
+    cfg = DSparkConfig.from_recipe(recipe.draft)
+    with torch.device("meta"):
+        draft = DSparkDraft(cfg)
+    groups: dict[str, int] = {}
+    for name, p in draft.named_parameters():
+        key = name.split(".")[0] if not name.startswith("layers.") else "layers"
+        groups[key] = groups.get(key, 0) + p.numel()
+    n = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    d = recipe.draft
+    head_bytes = 2 * d.vocab_size * d.hidden_size * (2 if recipe.target.dtype == "bfloat16" else 4)
+    print(f"recipe: {recipe.source}")
+    print(
+        f"draft: {d.num_hidden_layers} layers, hidden {d.hidden_size}, heads "
+        f"{d.num_attention_heads}/{d.num_key_value_heads}, block {d.block_size}, aux layers "
+        f"{d.target_layer_ids} of {d.num_target_layers}, markov {d.markov_head_type} "
+        f"r={d.markov_rank}"
+    )
+    for k, v in groups.items():
+        print(f"  {k:<16} {v:>14,d}")
+    print(f"frozen target embedding + LM head: {head_bytes / 1e9:.2f} GB per rank (not trained)")
+    o = recipe.objective
+    print(
+        f"objective: {o.ce_weight} CE + {o.l1_weight} L1 + {o.bce_weight} BCE, "
+        f"{o.num_anchors} anchors, gamma {o.gamma}, chunk {o.chunk_size}"
+    )
+    print(f"target backend: {recipe.target.backend} ({recipe.target.path})")
+    print(f"trainable_params: {n}")
+    return 0
+
+
+# --------------------------------------------------------------------------- build
+
+
+@dataclass
+class Run:
+    recipe: Recipe
+    rank: int
+    world: int
+    device: torch.device
+    engine: object
+    head: object
+    dataset: object
+    state: object
+    micro_per_epoch: int
+    total_steps: int
+    dirs: dict
+
+
+def init_distributed(recipe: Recipe) -> tuple[int, int, torch.device]:
+    """torchrun's env (or a single process); gloo on CPU, NCCL on GPU."""
+    import deepspeed
+
+    _skip_deepspeed_shm_build()
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    cuda = torch.cuda.is_available() and recipe.dist.backend != "gloo"
+    backend = recipe.dist.backend if recipe.dist.backend != "auto" else ("nccl" if cuda else "gloo")
+    local = int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local)
+    deepspeed.init_distributed(dist_backend=backend)
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
+
+
+def _skip_deepspeed_shm_build() -> None:
+    """DeepSpeed JIT-compiles a CPU shared-memory comm op (minutes) that gloo never needs.
+
+    `deepspeed.comm.torch` is shadowed by torch as an attribute of `deepspeed.comm`, so
+    the module is patched through sys.modules.
+    """
+    mod = importlib.import_module("deepspeed.comm.torch")
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    del mod
+
+
+def deepspeed_config(recipe: Recipe, device: torch.device) -> dict:
+    bf16 = recipe.dist.precision == "bf16" or (
+        recipe.dist.precision == "auto" and device.type == "cuda"
+    )
+    return {
+        "train_micro_batch_size_per_gpu": recipe.train.micro_batch_size,
+        "gradient_accumulation_steps": recipe.train.grad_accum,
+        "gradient_clipping": recipe.optim.grad_clip,
+        "zero_optimization": {"stage": recipe.dist.zero_stage},
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 10**12,
+        "wall_clock_breakdown": False,
+    }
+
+
+def lr_lambda(recipe: Recipe, total_steps: int):
+    o = recipe.optim
+    warm = int(round(o.warmup_ratio * total_steps))
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        if o.scheduler == "constant":
+            return 1.0
+        progress = min(1.0, (step - warm) / max(1, total_steps - warm))
+        return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def build(recipe: Recipe, resume: str | None) -> Run:
+    import deepspeed
+
+    from data_pipelines.prepare import prepare_dataset
+    from specforge_dspark import checkpoint
+    from specforge_dspark.frozen_head import load_frozen_head
+    from specforge_dspark.model import DSparkConfig, DSparkDraft
+
+    rank, world, device = init_distributed(recipe)
+    dirs = resolved_dirs(recipe)
+    torch.manual_seed(recipe.train.seed)
+    dataset = _rank0_first(lambda: prepare_dataset(recipe, split="train"))
+    t = recipe.train
+    micro_per_epoch = len(dataset) // (world * t.micro_batch_size)
+    if micro_per_epoch < t.grad_accum:
+        raise ValueError(
+            f"data: {len(dataset)} prepared rows give {micro_per_epoch} micro-batches per rank "
+            f"per epoch, fewer than train.grad_accum={t.grad_accum}; add data or lower it"
+        )
+    per_epoch = micro_per_epoch // t.grad_accum
+    total = t.max_steps if t.max_steps > 0 else per_epoch * t.epochs
+
+    head_dtype = torch.bfloat16 if recipe.target.dtype == "bfloat16" else torch.float32
+    head = load_frozen_head(recipe.target.path, device=device, dtype=head_dtype)
+    draft = (
+        DSparkDraft.from_pretrained(recipe.draft.init_from)
+        if recipe.draft.init_from
+        else DSparkDraft(DSparkConfig.from_recipe(recipe.draft))
+    )
+    _check_head_matches(recipe, head)
+    o = recipe.optim
+    opt = torch.optim.AdamW(
+        draft.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe, total))
+    engine, _, _, _ = deepspeed.initialize(
+        model=draft.to(device),
+        optimizer=opt,
+        lr_scheduler=sched,
+        config=deepspeed_config(recipe, device),
+    )
+    state = checkpoint.TrainState()
+    path = checkpoint.resolve_resume(resume, dirs["checkpoint"])
+    if path is not None:
+        state = checkpoint.load(engine, path, recipe)
+        if rank == 0:
+            print(f"resumed from {path} at step {state.step}", flush=True)
+    return Run(
+        recipe, rank, world, device, engine, head, dataset, state, micro_per_epoch, total, dirs
+    )
+
+
+def _check_head_matches(recipe: Recipe, head) -> None:
+    d = recipe.draft
+    if head.hidden_size != d.hidden_size:
+        raise ValueError(
+            f"draft.hidden_size={d.hidden_size} but the target at {recipe.target.path} has "
+            f"hidden size {head.hidden_size}; DSpark drafts share the target's hidden size"
+        )
+    if head.vocab_rows != d.vocab_size:
+        raise ValueError(
+            f"draft.vocab_size={d.vocab_size} but the target's LM head at {recipe.target.path} "
+            f"has {head.vocab_rows} rows"
+        )
+
+
+def _rank0_first(fn):
+    """Run fn on rank 0 first (it fills the cache), then on the other ranks."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out = fn() if rank == 0 else None
+    if dist.is_initialized():
+        dist.barrier()
+    return out if rank == 0 else fn()
+
+
+# --------------------------------------------------------------------------- data order
+
+
+def batches(run: Run, start_micro: int):
+    """Micro-batches of this rank's shard from global micro step `start_micro` onwards.
+
+    Epoch e uses the permutation seeded by (seed, e); rank r takes every world-th row;
+    the order depends only on the recipe and world size, so a resume continues it exactly.
+    """
+    from specforge_dspark.target.features import Sample
+
+    t, n = run.recipe.train, len(run.dataset)
+    g = start_micro
+    while True:
+        epoch, i = divmod(g, run.micro_per_epoch)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(t.seed * 1000 + epoch))
+        shard = perm[run.rank :: run.world]
+        for j in range(i, run.micro_per_epoch):
+            rows = shard[j * t.micro_batch_size : (j + 1) * t.micro_batch_size].tolist()
+            yield [_sample(run.dataset[r], Sample) for r in rows]
+        g = (epoch + 1) * run.micro_per_epoch
+
+
+def _sample(row: dict, sample_cls):
+    return sample_cls(
+        sample_id=int(row["sample_id"]),
+        input_ids=torch.tensor(row["input_ids"], dtype=torch.long),
+        loss_mask=torch.tensor(row["loss_mask"], dtype=torch.long),
+    )
+
+
+# --------------------------------------------------------------------------- train
+
+
+def anchor_generator(run: Run, micro_step: int) -> torch.Generator:
+    """Anchor sampling RNG of one micro step: a function of (seed, rank, step) alone."""
+    seed = (run.recipe.train.seed * 1_000_003 + run.rank) * 1_000_003 + micro_step
+    return torch.Generator().manual_seed(seed % (2**63))
+
+
+def train_step(run: Run, feats, micro_step: int):
+    """Forward + backward of one micro-batch; returns the objective's output."""
+    from specforge_dspark.objective import compute_loss
+
+    dev = run.device
+    out = compute_loss(
+        run.engine.module,
+        run.head,
+        feats.input_ids.to(dev),
+        feats.loss_mask.to(dev),
+        feats.aux_hidden.to(dev),
+        feats.last_hidden.to(dev),
+        run.recipe.objective,
+        anchor_generator(run, micro_step),
+    )
+    run.engine.backward(out.loss)
+    return out
+
+
+def train(run: Run, stop_at_step: int = 0) -> None:
+    from specforge_dspark import checkpoint
+    from specforge_dspark.export import export_draft
+    from specforge_dspark.model import DSparkConfig
+    from specforge_dspark.stream import FeatureStream
+    from specforge_dspark.tracking import Tracker
+
+    r, state, eng = run.recipe, run.state, run.engine
+    tracker = Tracker(r, run.rank, run.total_steps, state.step, run.dirs["trackio"])
+    tracker.write(
+        f"training {run.total_steps} steps on {run.world} rank(s), {len(run.dataset)} rows, "
+        f"{run.micro_per_epoch} micro-batches per rank per epoch"
+    )
+    window: list = []
+    t_last, wait_last, tokens_last = time.time(), 0.0, state.tokens
+    stream = FeatureStream(r, rank=run.rank, world_size=run.world)
+    with stream:
+        for feats in stream.iterate(batches(run, state.micro_step)):
+            if state.step >= run.total_steps:
+                break
+            out = train_step(run, feats, state.micro_step)
+            boundary = eng.is_gradient_accumulation_boundary()
+            eng.step()
+            state.micro_step += 1
+            state.epoch = state.micro_step // run.micro_per_epoch
+            state.tokens += int(feats.loss_mask.sum())
+            window.append(out.metrics)
+            if not boundary:
+                continue
+            state.step += 1
+            tracker.advance()
+            if state.step % r.train.log_interval == 0 or state.step == run.total_steps:
+                now = time.time()
+                metrics = _reduce_metrics(window)
+                metrics.update(
+                    lr=eng.get_lr()[0],
+                    grad_norm=float(eng.get_global_grad_norm() or 0.0),
+                    tokens_per_s=(state.tokens - tokens_last) / max(now - t_last, 1e-9),
+                    wait_fraction=(stream.wait_seconds - wait_last) / max(now - t_last, 1e-9),
+                    epoch=state.epoch,
+                )
+                tracker.log(state.step, metrics)
+                t_last, wait_last, tokens_last = now, stream.wait_seconds, state.tokens
+                window = []
+            last = state.step == run.total_steps or state.step == stop_at_step
+            if state.step % r.checkpoint.save_interval == 0 or last:
+                keep = r.checkpoint.keep_last
+                path = checkpoint.save(eng, run.dirs["checkpoint"], state, r, keep)
+                tracker.write(f"step {state.step}: saved {path}")
+            if last:
+                break
+    tracker.close()
+    if state.step >= run.total_steps and run.rank == 0:
+        cfg = DSparkConfig.from_recipe(r.draft)
+        for fmt in r.export.formats:
+            out_dir = run.dirs["export"] / fmt
+            export_draft(
+                eng.module,
+                cfg,
+                out_dir,
+                fmt,
+                verifier_name=r.export.verifier_name or r.target.path,
+                target_path=r.target.path,
+            )
+            print(f"exported {fmt} drafter to {out_dir}", flush=True)
+
+
+def _reduce_metrics(window: list[dict]) -> dict:
+    """Mean over the micro-steps of the logging window, all-reduced over ranks."""
+    import torch.distributed as dist
+
+    keys = sorted(window[0])
+    vals = torch.tensor([[float(m[k]) for k in keys] for m in window], dtype=torch.float64)
+    mean = vals.mean(0)
+    if dist.is_initialized():
+        dist.all_reduce(mean)
+        mean /= dist.get_world_size()
+    return dict(zip(keys, mean.tolist(), strict=True))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
