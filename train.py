@@ -185,6 +185,9 @@ def build(recipe: Recipe, resume: str | None) -> Run:
 
     rank, world, device = init_distributed(recipe)
     dirs = resolved_dirs(recipe)
+    resume_path = checkpoint.resolve_resume(resume, dirs["checkpoint"])
+    if resume_path is not None:  # fail fast, before data and engines are built
+        checkpoint.check_saved(resume_path, recipe, world)
     torch.manual_seed(recipe.train.seed)
     dataset = _rank0_first(lambda: prepare_dataset(recipe, split="train"))
     t = recipe.train
@@ -217,11 +220,10 @@ def build(recipe: Recipe, resume: str | None) -> Run:
         config=deepspeed_config(recipe, device),
     )
     state = checkpoint.TrainState()
-    path = checkpoint.resolve_resume(resume, dirs["checkpoint"])
-    if path is not None:
-        state = checkpoint.load(engine, path, recipe)
+    if resume_path is not None:
+        state = checkpoint.load(engine, resume_path, recipe)
         if rank == 0:
-            print(f"resumed from {path} at step {state.step}", flush=True)
+            print(f"resumed from {resume_path} at step {state.step}", flush=True)
     return Run(
         recipe, rank, world, device, engine, head, dataset, state, micro_per_epoch, total, dirs
     )
@@ -325,6 +327,7 @@ def train(run: Run, stop_at_step: int = 0) -> None:
         f"{run.micro_per_epoch} micro-batches per rank per epoch"
     )
     window: list = []
+    t_start, start_step = time.time(), state.step
     t_last, wait_last, tokens_last = time.time(), 0.0, state.tokens
     stream = FeatureStream(r, rank=run.rank, world_size=run.world)
     with stream:
@@ -337,7 +340,7 @@ def train(run: Run, stop_at_step: int = 0) -> None:
             state.micro_step += 1
             state.epoch = state.micro_step // run.micro_per_epoch
             state.tokens += int(feats.loss_mask.sum())
-            window.append(out.metrics)
+            window.append(out.log_dict())
             if not boundary:
                 continue
             state.step += 1
@@ -363,6 +366,15 @@ def train(run: Run, stop_at_step: int = 0) -> None:
             if last:
                 break
     tracker.close()
+    if run.rank == 0:
+        took = time.time() - t_start
+        done = state.step - start_step
+        line = f"done: {done} steps in {took:.1f} s ({took / max(done, 1):.3f} s/step)"
+        if run.device.type == "cuda":
+            line += (
+                f", peak GPU memory {torch.cuda.max_memory_allocated(run.device) / 2**30:.2f} GiB"
+            )
+        print(line, flush=True)
     if state.step >= run.total_steps and run.rank == 0:
         cfg = DSparkConfig.from_recipe(r.draft)
         for fmt in r.export.formats:
@@ -379,16 +391,14 @@ def train(run: Run, stop_at_step: int = 0) -> None:
 
 
 def _reduce_metrics(window: list[dict]) -> dict:
-    """Mean over the micro-steps of the logging window, all-reduced over ranks."""
-    import torch.distributed as dist
+    """Mean over the micro-steps of the logging window (the objective already pooled ranks).
 
+    Per-position entries are NaN in a micro-step with no supervised slot there: ignored.
+    """
     keys = sorted(window[0])
-    vals = torch.tensor([[float(m[k]) for k in keys] for m in window], dtype=torch.float64)
-    mean = vals.mean(0)
-    if dist.is_initialized():
-        dist.all_reduce(mean)
-        mean /= dist.get_world_size()
-    return dict(zip(keys, mean.tolist(), strict=True))
+    vals = torch.tensor([[m.get(k, float("nan")) for k in keys] for m in window])
+    mean = vals.to(torch.float64).nanmean(0)
+    return {k: v for k, v in zip(keys, mean.tolist(), strict=True) if v == v}
 
 
 if __name__ == "__main__":

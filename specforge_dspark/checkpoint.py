@@ -19,6 +19,7 @@ import os
 import random
 import re
 import shutil
+import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,16 @@ def check_compatible(saved: dict[str, Any], recipe: Recipe, world_size: int, pat
         )
 
 
+def check_saved(path: Path, recipe: Recipe, world_size: int) -> None:
+    """`check_compatible` against the checkpoint at `path`."""
+    meta_file = path / "train_state.json"
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ResumeError(f"{meta_file}: unreadable checkpoint metadata ({e})") from None
+    check_compatible(meta, recipe, world_size, path)
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
@@ -183,6 +194,7 @@ def save(engine, root: Path, state: TrainState, recipe: Recipe, keep_last: int) 
     rank_state = {"train_state": asdict(state), "rng": rng_state()}
     buf = _to_bytes(rank_state)
     _atomic_write(path / f"rank{rank:05d}_state.pt", buf)
+    _fault_drill(state.step)
     _barrier()
     if rank == 0:
         meta = {
@@ -214,8 +226,7 @@ def load(engine, path: Path, recipe: Recipe) -> TrainState:
     """Collective: restore weights, optimizer, scheduler, RNG and data cursor from `path`."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    meta = json.loads((path / "train_state.json").read_text())
-    check_compatible(meta, recipe, world, path)
+    check_saved(path, recipe, world)
     load_path, _ = engine.load_checkpoint(
         str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
     )
@@ -227,6 +238,13 @@ def load(engine, path: Path, recipe: Recipe) -> TrainState:
     rank_state = torch.load(rank_file, weights_only=False)
     set_rng_state(rank_state["rng"])
     return TrainState(**rank_state["train_state"])
+
+
+def _fault_drill(step: int) -> None:
+    """SPECFORGE_KILL_DURING_SAVE=N: SIGKILL this process while saving step N, after the
+    weights are written and before the marker (a preemption drill for tests and operators)."""
+    if os.environ.get("SPECFORGE_KILL_DURING_SAVE") == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _to_bytes(obj: Any) -> bytes:

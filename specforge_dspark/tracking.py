@@ -1,7 +1,12 @@
-"""Rank-0 tracking: trackio (local SQLite, offline) and a console progress bar with ETA."""
+"""Rank-0 tracking: trackio (local SQLite, offline), metrics.jsonl and a progress bar with ETA.
+
+`<train.output_dir>/metrics.jsonl` gets one JSON line per logged step (what trackio
+gets), so a run's curves can be read without trackio.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -20,6 +25,9 @@ class Tracker:
     ):
         self.active = rank == 0
         self._run = None
+        self.jsonl = Path(recipe.train.output_dir) / "metrics.jsonl"
+        if self.active:
+            self.jsonl.parent.mkdir(parents=True, exist_ok=True)
         if self.active and recipe.tracking.enabled:
             if recipe.tracking.dir or "TRACKIO_DIR" not in os.environ:
                 os.environ["TRACKIO_DIR"] = str(Path(trackio_dir).resolve())
@@ -53,6 +61,8 @@ class Tracker:
             return
         if self._run is not None:
             self._trackio.log(metrics, step=step)
+        with self.jsonl.open("a") as f:  # plain copy next to the run, one line per log step
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
         short = {k: metrics[k] for k in ("loss", "tau", "lr") if k in metrics}
         self.bar.set_postfix({k: f"{v:.4g}" for k, v in short.items()}, refresh=False)
 

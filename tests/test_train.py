@@ -1,0 +1,133 @@
+"""End to end on CPU: torchrun, 2 gloo ranks, live hf target, DeepSpeed ZeRO-2.
+
+One uninterrupted run and one that is SIGKILLed while saving, then resumed, must give
+the same per-step losses and the same final weights; the partial save is skipped; a
+resume under a changed objective is refused naming the key; trackio holds the metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 4
+
+pytestmark = pytest.mark.slow
+
+
+def _train(out: Path, *extra: str, env: dict | None = None, port: int = 29701):
+    overrides = [
+        f"train.output_dir={out}",
+        f"train.max_steps={STEPS}",
+        "train.log_interval=1",
+        "checkpoint.save_interval=1",
+        "checkpoint.keep_last=3",
+        "data.max_rows=48",
+        "data.max_length=160",
+        "objective.num_anchors=16",
+        "objective.chunk_size=8",
+        "tracking.project=test_train",
+        f"tracking.dir={out / 'trackio'}",
+        "export.formats=[sglang]",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(port),
+        "train.py",
+        "--recipe",
+        "recipes/tiny_cpu.yaml",
+        *extra,
+        *overrides,
+    ]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600)
+
+
+def _losses(out: Path) -> dict[int, float]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return {m["step"]: m["loss"] for m in map(json.loads, lines)}
+
+
+def _weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    return torch.load(ckpt / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_target_dir):
+    base = tmp_path_factory.mktemp("train")
+    full = _train(base / "full", "--resume", "none", port=29711)
+    assert full.returncode == 0, full.stderr[-3000:]
+    killed = _train(
+        base / "killed",
+        "--resume",
+        "none",
+        env={"SPECFORGE_KILL_DURING_SAVE": "3"},
+        port=29712,
+    )
+    assert killed.returncode != 0
+    return base, full, killed
+
+
+def test_killed_save_leaves_previous_checkpoint_and_resume_is_exact(runs):
+    base, full, _ = runs
+    ck = base / "killed" / "ckpt"
+    assert (ck / "step-2" / "COMPLETE").is_file()
+    assert (ck / "step-3").is_dir() and not (ck / "step-3" / "COMPLETE").exists()
+    resumed = _train(base / "killed", "--resume", "auto", port=29713)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {ck / 'step-2'} at step 2" in resumed.stdout
+    ref, got = _losses(base / "full"), _losses(base / "killed")
+    assert sorted(ref) == list(range(1, STEPS + 1))
+    assert [got[s] for s in range(1, STEPS + 1)] == [ref[s] for s in range(1, STEPS + 1)]
+    a = _weights(base / "full" / "ckpt" / f"step-{STEPS}")
+    b = _weights(ck / f"step-{STEPS}")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (base / "killed" / "export" / "sglang" / "model.safetensors").is_file()
+
+
+def test_resume_with_changed_objective_is_refused(runs):
+    base, _, _ = runs
+    p = _train(base / "full", "--resume", "auto", "objective.num_anchors=8", port=29714)
+    assert p.returncode == 2
+    assert "objective.num_anchors: 16 -> 8" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_metrics_reach_trackio(runs, monkeypatch):
+    base, _, _ = runs
+    from trackio import sqlite_storage
+    from trackio.sqlite_storage import SQLiteStorage
+
+    monkeypatch.setattr(sqlite_storage, "TRACKIO_DIR", base / "full" / "trackio")
+
+    logs = SQLiteStorage.get_logs("test_train", "tiny_cpu")
+    assert len(logs) == STEPS
+    last = logs[-1]
+    for key in (
+        "loss",
+        "ce",
+        "l1",
+        "bce",
+        "tau",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "wait_fraction",
+        "alpha/0",
+        "top1/0",
+        "conf_err/0",
+    ):
+        assert key in last, key
+    assert abs(last["loss"] - _losses(base / "full")[STEPS]) < 1e-6
