@@ -1,0 +1,175 @@
+"""The frozen target token embedding and LM head, read by tensor name from the target files.
+
+Only these two tensors are read (`safetensors.safe_open`, single file or sharded index),
+never the whole model: for Inkling they are 2 x 201024 x 6144 of a much larger checkpoint.
+
+Conventions, checked against the installed SGLang 0.5.23 and transformers 5.19:
+- Noise embedding (what the draft block [x_a, MASK, ...] is embedded with): SGLang's DSpark
+  worker uses `target_model.get_input_embeddings()` (`dspark_draft.py`
+  `DraftBlockProposer.propose`, and `attach_shared_modules` through
+  `dspark_worker_v2.py` `_resolve_target_embed_tokens`). For Inkling the served class is
+  `InklingForConditionalGeneration` (`sglang/srt/models/inkling.py`, its EntryClass), whose
+  `get_input_embeddings()` returns `self.llm.embed_tokens`: the RAW table, without
+  `embed_norm` (only the inner `InklingCausalLLM.get_input_embeddings`, which the worker
+  does not call, folds the norm in). transformers' `InklingForCausalLM` differs: its
+  input embedding is an `InklingNormedEmbedding` that applies `embed_norm`. We match the
+  serving engine: `embed(ids)` returns raw rows and `embed_norm` is never read.
+- muP: `logits = lm_head(h / logits_mup_width_multiplier)`, divided exactly once, as
+  transformers' `InklingForCausalLM.forward` and SGLang's `compute_base_logits` do.
+- Logical vocabulary: the LM head may have padded rows the target never emits.
+  `unpadded_vocab_size` (transformers' Inkling config; SGLang's Inkling LogitsProcessor
+  crops to it) when present, else the tokenizer's size when smaller, else all rows.
+  `logits(h)` returns all rows; callers crop to `logical_vocab`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+EMBED_NAMES = (
+    "model.embed_tokens.weight",  # HF causal LM
+    "model.language_model.embed_tokens.weight",  # HF multimodal wrappers
+    "model.llm.embed.weight",  # Inkling raw
+    "model.llm.embed_tokens.weight",
+    "llm.embed.weight",
+)
+HEAD_NAMES = (
+    "lm_head.weight",
+    "model.language_model.lm_head.weight",
+    "model.llm.unembed.weight",  # Inkling raw
+    "model.llm.lm_head.weight",
+    "llm.unembed.weight",
+)
+
+
+class FrozenHead(nn.Module):
+    """Frozen target embedding `[V_rows, H]` and LM head `[V_rows, H]` (buffers, no grad)."""
+
+    def __init__(
+        self,
+        embed_VH: torch.Tensor,
+        lm_head_VH: torch.Tensor,
+        logical_vocab: int,
+        mup_multiplier: float = 1.0,
+    ) -> None:
+        super().__init__()
+        # Buffers, not parameters: never in an optimizer, never in a checkpoint.
+        self.register_buffer("embed_weight", embed_VH, persistent=False)
+        self.register_buffer("lm_head_weight", lm_head_VH, persistent=False)
+        self.logical_vocab = int(logical_vocab)
+        self.vocab_rows = int(lm_head_VH.shape[0])
+        self.hidden_size = int(lm_head_VH.shape[1])
+        self.mup_multiplier = float(mup_multiplier)
+        self.requires_grad_(False)
+        self.eval()
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Raw embedding rows `[..., H]` (no embed_norm: what SGLang's DSpark feeds the draft)."""
+        return F.embedding(ids, self.embed_weight)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """`lm_head(h / mup)` over all `vocab_rows` columns `[..., V_rows]`."""
+        if self.mup_multiplier != 1.0:
+            h = h / self.mup_multiplier
+        return F.linear(h.to(self.lm_head_weight.dtype), self.lm_head_weight)
+
+
+def load_frozen_head(
+    target_path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> FrozenHead:
+    """Read the target's embedding and LM head by name; see the module docstring."""
+    root = Path(target_path)
+    config = _read_json(root / "config.json")
+    files = _weight_files(root)
+    embed_name = _first_present(EMBED_NAMES, files)
+    if embed_name is None:
+        raise ValueError(f"{root}: no token embedding found; tried {list(EMBED_NAMES)}")
+    tied = bool(_config_value(config, "tie_word_embeddings"))
+    head_name = None if tied else _first_present(HEAD_NAMES, files)
+    embed_shape = _checked_shape(files[embed_name], embed_name, config)
+    if head_name is not None:
+        head_shape = _checked_shape(files[head_name], head_name, config)
+        if head_shape[1] != embed_shape[1]:
+            raise ValueError(
+                f"{files[head_name].name}: {head_name} has shape {head_shape}, but "
+                f"{embed_name} has hidden size {embed_shape[1]}"
+            )
+    embed = _read(files[embed_name], embed_name, device, dtype)
+    head = embed if head_name is None else _read(files[head_name], head_name, device, dtype)
+    mult = _config_value(config, "logits_mup_width_multiplier")
+    return FrozenHead(
+        embed,
+        head,
+        _logical_vocab(root, config, head.shape[0]),
+        1.0 if mult is None else float(mult),
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _config_value(config: dict[str, Any], key: str) -> Any:
+    """A text-model setting: at the config root, else in `text_config`."""
+    if config.get(key) is not None:
+        return config[key]
+    return (config.get("text_config") or {}).get(key)
+
+
+def _weight_files(root: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file holding it."""
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: root / file for name, file in weight_map.items()}
+    single = root / "model.safetensors"
+    if not single.is_file():
+        raise ValueError(f"{root}: neither model.safetensors nor model.safetensors.index.json")
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def _first_present(names: tuple[str, ...], files: dict[str, Path]) -> str | None:
+    return next((n for n in names if n in files), None)
+
+
+def _checked_shape(file: Path, name: str, config: dict[str, Any]) -> list[int]:
+    """The tensor's shape, checked against config hidden_size / vocab_size when present."""
+    with safe_open(str(file), framework="pt") as f:
+        shape = list(f.get_slice(name).get_shape())
+    hidden, vocab = _config_value(config, "hidden_size"), _config_value(config, "vocab_size")
+    if len(shape) != 2 or (hidden is not None and shape[1] != hidden):
+        raise ValueError(f"{file.name}: {name} has shape {shape}, expected [vocab, {hidden}]")
+    if vocab is not None and shape[0] != vocab:
+        raise ValueError(f"{file.name}: {name} has {shape[0]} rows, config vocab_size is {vocab}")
+    return shape
+
+
+def _read(file: Path, name: str, device: str | torch.device, dtype: torch.dtype) -> torch.Tensor:
+    with safe_open(str(file), framework="pt") as f:
+        return f.get_tensor(name).to(device=device, dtype=dtype)
+
+
+def _logical_vocab(root: Path, config: dict[str, Any], rows: int) -> int:
+    unpadded = _config_value(config, "unpadded_vocab_size")
+    if unpadded is not None:
+        if not 0 < unpadded <= rows:
+            raise ValueError(
+                f"{root}/config.json: unpadded_vocab_size {unpadded} not in (0, {rows}]"
+            )
+        return int(unpadded)
+    tokenizer = _read_json(root / "tokenizer.json")
+    vocab = (tokenizer.get("model") or {}).get("vocab") or {}
+    # BPE/WordPiece vocabularies map token -> id; Unigram lists [piece, score] by id.
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+    ids += [t["id"] for t in tokenizer.get("added_tokens", [])]
+    return min(rows, max(ids) + 1) if ids else rows

@@ -1,0 +1,658 @@
+"""The DSpark draft network, self-contained (torch only), and its SGLang config.json.
+
+A DSpark drafter (DSPARK_SPEC.md sections 1, 2, 4, 6) proposes a block of G tokens in one
+parallel pass over features of a frozen target, then a small Markov head fixes the
+dependencies inside the block and a confidence head predicts each slot's acceptance.
+It owns no embedding and no LM head: callers pass the frozen target's embeddings in and
+project `h` through the target's LM head themselves (`specforge_dspark.frozen_head`).
+
+Checked against the installed SGLang 0.5.23 source, which serves what this file trains:
+- `sglang/srt/models/dflash.py`: `DFlashDraftModel` (fc -> hidden_norm on the concatenated
+  aux states; pre-norm Qwen3 layers; final norm), `DFlashAttention.forward` (q/k RMSNorm
+  per head, then RoPE; scale head_dim**-0.5; no biases), `kv_proj_only` /
+  `DSparkDraftMixin.write_target_hidden_kv` in `models/dspark.py` (context K/V come from
+  each layer's k_proj/v_proj applied to the shared context WITHOUT the layer's
+  input_layernorm, then k_norm, then RoPE at the context positions),
+  `_get_dflash_layer_attention_params` ("full_attention" layers are non-causal inside the
+  block), `DFlashMLP` (SiluAndMul on [gate; up]).
+- `sglang/srt/layers/layernorm.py` `RMSNorm.forward_native`: statistics in fp32, the weight
+  multiplied in fp32, then cast back; `layers/rotary_embedding/base.py` + `utils.py`:
+  neox style (rotate halves), inv_freq = theta ** -(2i / head_dim), cos/sin cast to the
+  input dtype before use.
+- `sglang/srt/models/dspark.py` `VanillaMarkov`, `GatedMarkovHead`, `RNNHead`
+  (parameter names, shapes and step math), `DSparkConfidenceHead` (`proj` on
+  [h ; markov_w1[prev]], bias), `build_markov_head` / `build_confidence_head` (read from
+  the config ROOT), `compute_base_logits` (the confidence head and the gated/rnn heads see
+  the final-normed `h`, undivided by the muP multiplier).
+- `sglang/srt/speculative/dspark_components/dspark_draft.py`: with `sample_from_anchor`
+  (the default), the block is [bonus, MASK * (G-1)] at positions seq_len .. seq_len+G-1,
+  all G rows give base logits, the Markov head runs step by step from prev = bonus, and
+  prev of slot k is draft k-1. `dspark_config.py` `parse_dspark_draft_config` for the keys.
+
+Shape legend:
+  B batch, S context positions, N blocks (anchors) per sequence, G block size,
+  Q = N*G block queries, K = S + Q keys, H hidden, D = m*H concatenated aux features,
+  A attention heads, C key/value heads, E head_dim, F intermediate (FFN), V vocab
+  columns, R Markov rank, T any number of rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from specforge_dspark.recipe import DraftRecipe
+
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+DSPARK_KEYS = (
+    "block_size",
+    "target_layer_ids",
+    "num_target_layers",
+    "mask_token_id",
+    "markov_rank",
+    "markov_head_type",
+    "enable_confidence_head",
+    "confidence_head_with_markov",
+    "layer_types",
+)
+"""Keys SGLang reads for DSpark; written at the config root and mirrored in dflash_config."""
+
+# Settings SGLang honours that would change the math this file implements: key -> the
+# values that keep it (absent or None is always fine).
+_SUPPORTED_VALUES: dict[str, tuple] = {
+    "sample_from_anchor": (True,),  # False is the DFlash slot convention
+    "attention_bias": (False,),
+    "use_gemma_norm": (False,),
+    "is_causal": (False,),
+    "partial_rotary_factor": (1.0,),
+    "rope_is_neox_style": (True,),
+    "is_neox_style": (True,),
+    "conv_kernel_size": (0,),
+    "attention_sink_bias": (False,),
+    "attention_value_scale": (),
+    "projector_type": (),
+    "selector_rank": (0,),
+}
+_MISSING = object()
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(kw_only=True)
+class DSparkConfig:
+    """Architecture of a DSpark drafter; field names are those of SGLang's config.json."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 32768
+    vocab_size: int
+    """Rows of the target LM head (padded vocabulary)."""
+    block_size: int = 7
+    target_layer_ids: list[int]
+    num_target_layers: int
+    mask_token_id: int
+    markov_rank: int
+    markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+    layer_types: list[str] = field(default_factory=list)
+    """One entry per draft layer; empty means all "full_attention"."""
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.layer_types = list(self.layer_types) or ["full_attention"] * self.num_hidden_layers
+        for name in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "block_size",
+            "num_target_layers",
+            "markov_rank",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"DSparkConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"DSparkConfig.num_attention_heads ({self.num_attention_heads}) must be a "
+                f"multiple of num_key_value_heads ({self.num_key_value_heads}) (GQA)"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"DSparkConfig.head_dim must be even (RoPE), got {self.head_dim}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"DSparkConfig.hidden_act must be 'silu', got {self.hidden_act!r}")
+        if self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise ValueError(
+                f"DSparkConfig.markov_head_type must be one of {MARKOV_HEAD_TYPES}, "
+                f"got {self.markov_head_type!r}"
+            )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"DSparkConfig.mask_token_id ({self.mask_token_id}) must be in "
+                f"[0, vocab_size={self.vocab_size})"
+            )
+        if not self.target_layer_ids:
+            raise ValueError("DSparkConfig.target_layer_ids must name at least one layer")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise ValueError(
+                f"DSparkConfig.target_layer_ids {bad} outside [0, num_target_layers="
+                f"{self.num_target_layers})"
+            )
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"DSparkConfig.layer_types has {len(self.layer_types)} entries, "
+                f"num_hidden_layers is {self.num_hidden_layers}"
+            )
+        if set(self.layer_types) != {"full_attention"}:
+            raise ValueError(
+                f"DSparkConfig.layer_types must all be 'full_attention', got {self.layer_types}"
+            )
+
+    @classmethod
+    def from_recipe(cls, draft: DraftRecipe) -> DSparkConfig:
+        """From a `recipe.DraftRecipe` (or anything with the same attribute names)."""
+        kwargs = {
+            f.name: getattr(draft, f.name)
+            for f in dataclasses.fields(cls)
+            if hasattr(draft, f.name)
+        }
+        return cls(**kwargs)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DSparkConfig:
+        """Read a SGLang DSpark config.json (the published layouts).
+
+        DSpark keys are read at the root or inside `dflash_config` / `dspark_config`;
+        the root wins (SGLang builds its Markov and confidence heads from the root) and a
+        disagreement is warned about. Defaults follow SGLang: num_key_value_heads =
+        num_attention_heads, head_dim = hidden_size / num_attention_heads, rope_theta from
+        `rope_parameters` then `rope_theta` then 10000, block_size 7
+        (DEFAULT_DSPARK_GAMMA), num_target_layers = max(target_layer_ids) + 1,
+        enable_confidence_head true, confidence_head_with_markov = markov_rank > 0.
+        mask_token_id, markov_rank, markov_head_type and target_layer_ids are required,
+        as are settings SGLang would serve with different math (ValueError names them).
+        """
+        nested = {**(d.get("dflash_config") or {}), **(d.get("dspark_config") or {})}
+
+        def get(key: str, default: Any = _MISSING) -> Any:
+            root, inner = d.get(key), nested.get(key)
+            if root is not None and inner is not None and root != inner:
+                warnings.warn(
+                    f"config.json: {key} is {root!r} at the root but {inner!r} in "
+                    "dflash_config; using the root value",
+                    stacklevel=3,
+                )
+            value = root if root is not None else inner
+            if value is None and default is _MISSING:
+                raise ValueError(f"config.json: {key} is missing (root and dflash_config)")
+            return default if value is None else value
+
+        for key, allowed in _SUPPORTED_VALUES.items():
+            value = get(key, None)
+            if value is not None and value not in allowed:
+                raise ValueError(f"config.json: {key}={value!r} is not supported by DSparkDraft")
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"config.json: rope_type={rope_type!r} is not supported")
+
+        heads = int(get("num_attention_heads"))
+        hidden = int(get("hidden_size"))
+        layer_ids = [int(i) for i in get("target_layer_ids")]
+        markov_rank = int(get("markov_rank"))
+        return cls(
+            hidden_size=hidden,
+            num_hidden_layers=int(get("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(get("num_key_value_heads", heads)),
+            head_dim=int(get("head_dim", hidden // heads)),
+            intermediate_size=int(get("intermediate_size")),
+            hidden_act=str(get("hidden_act", "silu")),
+            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta") or get("rope_theta", 10000.0)),
+            max_position_embeddings=int(get("max_position_embeddings", 32768)),
+            vocab_size=int(get("vocab_size")),
+            block_size=int(get("block_size", 7)),
+            target_layer_ids=layer_ids,
+            num_target_layers=int(get("num_target_layers", max(layer_ids) + 1)),
+            mask_token_id=int(get("mask_token_id")),
+            markov_rank=markov_rank,
+            markov_head_type=str(get("markov_head_type")).lower(),
+            enable_confidence_head=bool(get("enable_confidence_head", True)),
+            confidence_head_with_markov=bool(get("confidence_head_with_markov", markov_rank > 0)),
+            layer_types=list(get("layer_types", [])),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """SGLang layout (DSPARK_SPEC.md s.6): DSpark keys at the root AND in dflash_config."""
+        dspark = {k: _plain(getattr(self, k)) for k in DSPARK_KEYS}
+        arch = {
+            f.name: _plain(getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if f.name not in DSPARK_KEYS
+        }
+        return {
+            "architectures": ["Qwen3DSparkModel"],
+            "model_type": "qwen3",
+            **arch,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            "sample_from_anchor": True,
+            **dspark,
+            "dflash_config": dict(dspark),
+        }
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, list) else value
+
+
+# --------------------------------------------------------------------------- layers
+
+
+class RMSNorm(nn.Module):
+    """SGLang `RMSNorm.forward_native`: statistics and weight multiply in (at least) fp32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 in exact tests
+        xw = x.to(wide)
+        xw = xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xw * self.weight.to(wide)).to(x.dtype)
+
+
+def rope_tables(
+    pos_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin `[B, T, E/2]` at absolute positions, as SGLang's fp32 cos_sin_cache rows
+    (fp64 when the model runs in fp64)."""
+    wide = torch.promote_types(dtype, torch.float32)
+    exponent = torch.arange(0, head_dim, 2, device=pos_BT.device, dtype=wide) / head_dim
+    angle_BTe = pos_BT.to(wide)[..., None] * (1.0 / theta**exponent)
+    return angle_BTe.cos(), angle_BTe.sin()
+
+
+def apply_rope(x_BTnE: torch.Tensor, cos_BTe: torch.Tensor, sin_BTe: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotation of the two halves of each head (cos/sin cast to x's dtype)."""
+    cos, sin = cos_BTe[:, :, None].to(x_BTnE.dtype), sin_BTe[:, :, None].to(x_BTnE.dtype)
+    x1, x2 = x_BTnE.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    """Qwen3 GQA attention with KV injection: block queries over [context ; block] keys."""
+
+    def __init__(self, cfg: DSparkConfig) -> None:
+        super().__init__()
+        H, A, C, E = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = A, C, E
+        self.q_proj = nn.Linear(H, A * E, bias=False)
+        self.k_proj = nn.Linear(H, C * E, bias=False)
+        self.v_proj = nn.Linear(H, C * E, bias=False)
+        self.o_proj = nn.Linear(A * E, H, bias=False)
+        self.q_norm = RMSNorm(E, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(E, cfg.rms_norm_eps)
+
+    def _keys_values(self, x_BTH: torch.Tensor, rope: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, _ = x_BTH.shape
+        k_BTCE = apply_rope(self.k_norm(self.k_proj(x_BTH).view(B, T, -1, self.head_dim)), *rope)
+        return k_BTCE, self.v_proj(x_BTH).view(B, T, -1, self.head_dim)
+
+    def forward(
+        self,
+        x_BQH: torch.Tensor,
+        ctx_BSH: torch.Tensor,
+        rope_ctx: tuple,
+        rope_blk: tuple,
+        visible_B1QK: torch.Tensor,
+        empty_B1Q1: torch.Tensor,
+    ) -> torch.Tensor:
+        B, Q, _ = x_BQH.shape
+        q_BQAE = apply_rope(
+            self.q_norm(self.q_proj(x_BQH).view(B, Q, -1, self.head_dim)), *rope_blk
+        )
+        k_ctx, v_ctx = self._keys_values(ctx_BSH, rope_ctx)
+        k_blk, v_blk = self._keys_values(x_BQH, rope_blk)
+        group = self.heads // self.kv_heads
+        # [B, A, K, E]: the KV heads repeated for their query heads (h uses h // group),
+        # small next to the [Q, K] mask, and it keeps the fused SDPA kernels eligible.
+        k_BAKE = torch.cat((k_ctx, k_blk), 1).transpose(1, 2).repeat_interleave(group, 1)
+        v_BAKE = torch.cat((v_ctx, v_blk), 1).transpose(1, 2).repeat_interleave(group, 1)
+        o_BAQE = F.scaled_dot_product_attention(
+            q_BQAE.transpose(1, 2), k_BAKE, v_BAKE, attn_mask=visible_B1QK
+        )
+        o_BAQE = o_BAQE.masked_fill(empty_B1Q1, 0.0)  # rows that may see nothing attend to 0
+        return self.o_proj(o_BAQE.transpose(1, 2).reshape(B, Q, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DSparkConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x_BQH: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x_BQH)) * self.up_proj(x_BQH))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DSparkConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x_BQH: torch.Tensor, ctx_BSH: torch.Tensor, *attn_args) -> torch.Tensor:
+        # The context enters k_proj/v_proj as it is: SGLang's KV injection skips input_layernorm.
+        x_BQH = x_BQH + self.self_attn(self.input_layernorm(x_BQH), ctx_BSH, *attn_args)
+        return x_BQH + self.mlp(self.post_attention_layernorm(x_BQH))
+
+
+class MarkovHead(nn.Module):
+    """Bias on a slot's logits from the previous token (SGLang VanillaMarkov / Gated / RNN).
+
+    vanilla: z = W1[prev]; gated: z = sigmoid(gate_proj([h ; W1[prev]])) * W1[prev];
+    rnn: [g, c, o] = joint_proj([s ; W1[prev] ; h]), z = tanh(o),
+    s' = sigmoid(g) s + (1 - sigmoid(g)) tanh(c), with s = 0 before slot 0. The bias is W2 z.
+    """
+
+    def __init__(self, cfg: DSparkConfig) -> None:
+        super().__init__()
+        H, V, R = cfg.hidden_size, cfg.vocab_size, cfg.markov_rank
+        self.kind = cfg.markov_head_type
+        self.markov_w1 = nn.Embedding(V, R)
+        self.markov_w2 = nn.Linear(R, V, bias=False)
+        if self.kind == "gated":
+            self.gate_proj = nn.Linear(H + R, R)
+        if self.kind == "rnn":
+            self.joint_proj = nn.Linear(2 * R + H, 3 * R)
+
+    def init_state(self, h_TH: torch.Tensor) -> torch.Tensor | None:
+        if self.kind != "rnn":
+            return None
+        return h_TH.new_zeros(*h_TH.shape[:-1], self.markov_w1.embedding_dim)
+
+    def step(
+        self, e_TR: torch.Tensor, h_TH: torch.Tensor, state_TR: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Latent z of one slot from its prev-token embedding e = W1[prev] and hidden h."""
+        if self.kind == "vanilla":
+            return e_TR, state_TR
+        if self.kind == "gated":
+            gate_TR = torch.sigmoid(self.gate_proj(torch.cat((h_TH, e_TR.to(h_TH.dtype)), -1)))
+            return gate_TR.to(e_TR.dtype) * e_TR, state_TR
+        gate, cand, out = self.joint_proj(torch.cat((state_TR, e_TR, h_TH), -1)).chunk(3, -1)
+        gate = torch.sigmoid(gate)
+        return torch.tanh(out), gate * state_TR + (1.0 - gate) * torch.tanh(cand)
+
+    def latents(
+        self, prev_BNG: torch.Tensor, h_BNGH: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced (W1[prev], z) for every slot: `[B, N, G, R]` each."""
+        e_BNGR = self.markov_w1(prev_BNG)
+        if self.kind != "rnn":
+            return e_BNGR, self.step(e_BNGR, h_BNGH, None)[0]
+        state, z = self.init_state(h_BNGH[:, :, 0]), []
+        for k in range(prev_BNG.shape[-1]):
+            z_k, state = self.step(e_BNGR[:, :, k], h_BNGH[:, :, k], state)
+            z.append(z_k)
+        return e_BNGR, torch.stack(z, dim=2)
+
+    def bias(self, z_TR: torch.Tensor, vocab: int) -> torch.Tensor:
+        """W2 z over the first `vocab` columns (the logical vocab when the caller crops)."""
+        return F.linear(z_TR, self.markov_w2.weight[:vocab])
+
+
+class ConfidenceHead(nn.Module):
+    """Acceptance logit of each slot from [h ; W1[prev]] (or h alone)."""
+
+    def __init__(self, cfg: DSparkConfig) -> None:
+        super().__init__()
+        self.with_markov = cfg.confidence_head_with_markov
+        extra = cfg.markov_rank if self.with_markov else 0
+        self.proj = nn.Linear(cfg.hidden_size + extra, 1)
+
+    def forward(self, h_TH: torch.Tensor, e_TR: torch.Tensor) -> torch.Tensor:
+        feats = torch.cat((h_TH, e_TR.to(h_TH.dtype)), -1) if self.with_markov else h_TH
+        return self.proj(feats).squeeze(-1)
+
+
+# --------------------------------------------------------------------------- masks
+
+
+def build_visibility_mask(
+    anchors_BN: torch.Tensor,
+    block_valid_BN: torch.Tensor,
+    ctx_valid_BS: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """Who each block query may attend to: bool `[B, N*G, S + N*G]`, True = visible.
+
+    Context key c is visible to block j iff c < anchors[j], ctx_valid[c] and
+    block_valid[j] (the anchor itself has no hidden state yet). Block keys are visible
+    iff in the same block and the block is valid (bidirectional inside a block); blocks
+    never see each other.
+    """
+    B, N = anchors_BN.shape
+    S, G = ctx_valid_BS.shape[1], block_size
+    c_S = torch.arange(S, device=anchors_BN.device)
+    ctx_BNS = (c_S < anchors_BN[..., None]) & ctx_valid_BS[:, None, :].bool()
+    ctx_BNS = ctx_BNS & block_valid_BN[..., None].bool()
+    ctx_BQS = ctx_BNS[:, :, None, :].expand(B, N, G, S).reshape(B, N * G, S)
+    block_of_Q = torch.arange(N * G, device=anchors_BN.device) // G
+    same_QQ = block_of_Q[:, None] == block_of_Q[None, :]
+    valid_BQ = block_valid_BN.bool().repeat_interleave(G, dim=1)
+    blk_BQQ = same_QQ[None] & valid_BQ[:, :, None] & valid_BQ[:, None, :]
+    return torch.cat((ctx_BQS, blk_BQQ), dim=-1)
+
+
+# --------------------------------------------------------------------------- model
+
+
+class DSparkDraft(nn.Module):
+    """The DSpark drafter; submodule names are SGLang's weight names (DSPARK_SPEC.md s.6)."""
+
+    def __init__(self, config: DSparkConfig) -> None:
+        super().__init__()
+        self.config = config
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.fc = nn.Linear(len(config.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, eps)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(H, eps)
+        self.markov_head = MarkovHead(config)
+        self.confidence_head = ConfidenceHead(config) if config.enable_confidence_head else None
+        # Start as a no-op bias on the base logits: the Markov head learns a correction.
+        nn.init.zeros_(self.markov_head.markov_w2.weight)
+
+    def context(self, aux_hidden_BSD: torch.Tensor) -> torch.Tensor:
+        """Shared context features `[B, S, H]` = hidden_norm(fc(aux)), D = m*H."""
+        if aux_hidden_BSD.shape[-1] != self.fc.in_features:
+            raise ValueError(
+                f"aux_hidden has {aux_hidden_BSD.shape[-1]} features, expected "
+                f"{self.fc.in_features} = len(target_layer_ids) * hidden_size"
+            )
+        return self.hidden_norm(self.fc(aux_hidden_BSD.to(self.fc.weight.dtype)))
+
+    def forward(
+        self,
+        ctx_BSH: torch.Tensor,
+        ctx_pos_BS: torch.Tensor,
+        block_emb_BNGH: torch.Tensor,
+        block_pos_BNG: torch.Tensor,
+        visible_BQK: torch.Tensor,
+    ) -> torch.Tensor:
+        """Final-normed hidden states `[B, N, G, H]` of the block queries.
+
+        block_emb: frozen target embeddings of [x_a, MASK, ...] per block; keys are the S
+        context positions then the N*G block positions; `visible_BQK` from
+        `build_visibility_mask`. A query with no visible key gets attention output 0.
+        """
+        B, N, G, H = block_emb_BNGH.shape
+        S, Q = ctx_BSH.shape[1], N * G
+        if visible_BQK.shape != (B, Q, S + Q):
+            raise ValueError(
+                f"visible_BQK has shape {tuple(visible_BQK.shape)}, expected {(B, Q, S + Q)}"
+            )
+        dtype = self.norm.weight.dtype
+        cfg = self.config
+        rope_ctx = rope_tables(ctx_pos_BS, cfg.head_dim, cfg.rope_theta, dtype)
+        rope_blk = rope_tables(block_pos_BNG.reshape(B, Q), cfg.head_dim, cfg.rope_theta, dtype)
+        empty_BQ = ~visible_BQK.any(-1)
+        # SDPA turns a row with no visible key into NaN: give it key 0, zero its output.
+        visible_BQK = visible_BQK.clone()
+        visible_BQK[..., 0] |= empty_BQ
+        attn_args = (rope_ctx, rope_blk, visible_BQK[:, None], empty_BQ[:, None, :, None])
+        ctx_BSH = ctx_BSH.to(dtype)
+        x_BQH = block_emb_BNGH.reshape(B, Q, H).to(dtype)
+        for layer in self.layers:
+            x_BQH = layer(x_BQH, ctx_BSH, *attn_args)
+        return self.norm(x_BQH).view(B, N, G, H)
+
+    def apply_heads(
+        self, h_BNGH: torch.Tensor, base_logits_BNGV: torch.Tensor, prev_BNG: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Teacher-forced Markov bias and confidence for every slot in parallel.
+
+        base_logits: lm_head(h / mup) over the first V columns (V <= vocab_size; the bias
+        is cropped to match); prev: the previous token of each slot (x_a for slot 0).
+        Returns (base + W2 z(prev), confidence logits `[B, N, G]` or None).
+        """
+        vocab = base_logits_BNGV.shape[-1]
+        if vocab > self.config.vocab_size:
+            raise ValueError(
+                f"base logits have {vocab} columns > vocab_size {self.config.vocab_size}"
+            )
+        e_BNGR, z_BNGR = self.markov_head.latents(prev_BNG, h_BNGH)
+        logits_BNGV = base_logits_BNGV + self.markov_head.bias(z_BNGR, vocab)
+        if self.confidence_head is None:
+            return logits_BNGV, None
+        return logits_BNGV, self.confidence_head(h_BNGH, e_BNGR)
+
+    @torch.no_grad()
+    def propose(
+        self,
+        ctx_1SH: torch.Tensor,
+        ctx_len: int,
+        bonus_token: int | torch.Tensor,
+        embed_fn: Callable[[torch.Tensor], torch.Tensor],
+        logits_fn: Callable[[torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Greedy drafts of one block (DSPARK_SPEC.md section 4; SGLang `sample_from_anchor`).
+
+        Block [bonus, MASK * (G-1)] at positions ctx_len .. ctx_len+G-1 over context
+        positions 0 .. ctx_len-1; base logits `logits_fn(h)` (over the LOGICAL vocab) for
+        every slot; the Markov head then runs slot by slot with prev of slot 0 = bonus and
+        prev of slot k = draft k-1. Draft k is the guess for the token at ctx_len + k + 1.
+        Returns (G draft tokens, G confidence logits or None).
+        """
+        G, device = self.config.block_size, ctx_1SH.device
+        bonus = torch.as_tensor(bonus_token, device=device).reshape(1)
+        ids_G = torch.full((G,), self.config.mask_token_id, device=device)
+        ids_G[0] = bonus[0]
+        anchors_11 = torch.tensor([[ctx_len]], device=device)
+        visible = build_visibility_mask(
+            anchors_11,
+            torch.ones(1, 1, dtype=torch.bool, device=device),
+            torch.ones(1, ctx_len, dtype=torch.bool, device=device),
+            G,
+        )
+        h_GH = self(
+            ctx_1SH[:, :ctx_len],
+            torch.arange(ctx_len, device=device)[None],
+            embed_fn(ids_G)[None, None],
+            (ctx_len + torch.arange(G, device=device))[None, None],
+            visible,
+        )[0, 0]
+        base_GV = logits_fn(h_GH)
+        head, prev, state = self.markov_head, bonus, self.markov_head.init_state(h_GH[:1])
+        drafts = []
+        for k in range(G):
+            z_1R, state = head.step(head.markov_w1(prev), h_GH[k : k + 1], state)
+            prev = (base_GV[k] + head.bias(z_1R, base_GV.shape[-1])[0]).argmax(-1, keepdim=True)
+            drafts.append(prev)
+        tokens_G = torch.cat(drafts)
+        if self.confidence_head is None:
+            return tokens_G, None
+        prev_G = torch.cat((bonus, tokens_G[:-1]))
+        return tokens_G, self.confidence_head(h_GH, head.markov_w1(prev_G))
+
+    # ----------------------------------------------------------------------- files
+
+    def save_pretrained(self, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
+        """SGLang layout: config.json + model.safetensors (no embedding, no LM head)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {
+            k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()
+        }
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        config = {**self.config.to_dict(), "dtype": str(dtype).removeprefix("torch.")}
+        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> DSparkDraft:
+        """Load a SGLang-layout drafter. Like SGLang, a leading "model." is stripped and
+        embed_tokens / lm_head / rotary tensors are skipped; any other name or shape that
+        does not fit raises ValueError naming it."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        config = DSparkConfig.from_dict(json.loads((path / "config.json").read_text()))
+        with torch.device("meta"):
+            model = cls(config)
+        expected = {k: v.shape for k, v in model.state_dict().items()}
+        state = {}
+        for name, tensor in load_file(str(path / "model.safetensors")).items():
+            name = name.removeprefix("model.")
+            if name.startswith(("embed_tokens.", "lm_head.", "rotary_emb.")):
+                continue
+            if name not in expected:
+                raise ValueError(f"{path / 'model.safetensors'}: unexpected tensor {name}")
+            if tensor.shape != expected[name]:
+                raise ValueError(
+                    f"{path / 'model.safetensors'}: {name} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(expected[name])}"
+                )
+            state[name] = tensor.to(device, dtype)
+        missing = sorted(set(expected) - set(state))
+        if missing:
+            raise ValueError(f"{path / 'model.safetensors'}: missing tensors {missing}")
+        model.load_state_dict(state, assign=True)
+        return model
