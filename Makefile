@@ -24,13 +24,16 @@ export PYTHONUNBUFFERED := 1
 setup: $(STAMP)
 
 # Re-runs only when the dependency files change. torch is pinned by constraints.txt
-# through every install so that no package swaps in another torch build.
+# through every install so that no package swaps in another torch build. sglang and
+# speculators go in with --no-deps (their full installs pin CUDA builds of torch and
+# torchvision); the extras carry the light packages their config and model code import.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints.txt torch==2.13.0
-	DS_BUILD_OPS=0 $(PIP) install -q -c constraints.txt -e ".[dev,sglang]"
+	DS_BUILD_OPS=0 $(PIP) install -q -c constraints.txt -e ".[dev,sglang,speculators]"
 	$(PIP) install -q -c constraints.txt --no-deps sglang==0.5.23
+	$(PIP) install -q -c constraints.txt --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	touch $@
 
 tiny-target: setup

@@ -315,8 +315,7 @@ def train_step(run: Run, feats, micro_step: int):
 
 def train(run: Run, stop_at_step: int = 0) -> None:
     from specforge_dspark import checkpoint
-    from specforge_dspark.export import export_draft
-    from specforge_dspark.model import DSparkConfig
+    from specforge_dspark.export import export_checkpoint
     from specforge_dspark.stream import FeatureStream
     from specforge_dspark.tracking import Tracker
 
@@ -376,16 +375,15 @@ def train(run: Run, stop_at_step: int = 0) -> None:
             )
         print(line, flush=True)
     if state.step >= run.total_steps and run.rank == 0:
-        cfg = DSparkConfig.from_recipe(r.draft)
+        # from the final checkpoint's fp32 master weights: one path for every ZeRO stage
+        final = checkpoint.step_dir(run.dirs["checkpoint"], state.step)
         for fmt in r.export.formats:
-            out_dir = run.dirs["export"] / fmt
-            export_draft(
-                eng.module,
-                cfg,
-                out_dir,
+            out_dir = export_checkpoint(
+                final,
                 fmt,
-                verifier_name=r.export.verifier_name or r.target.path,
-                target_path=r.target.path,
+                run.dirs["export"] / fmt,
+                target_path=r.target.path or None,
+                verifier_name=r.export.verifier_name or None,
             )
             print(f"exported {fmt} drafter to {out_dir}", flush=True)
 

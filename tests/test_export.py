@@ -1,0 +1,443 @@
+"""Serving export (DSPARK_SPEC.md section 6) checked against the installed SGLang and
+speculators code: their config parsing, the parameters their DSpark models build, their
+weight loaders, and (speculators) its own forward pass against ours."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from specforge_dspark import export
+from specforge_dspark.frozen_head import FrozenHead, load_frozen_head
+from specforge_dspark.model import DSPARK_KEYS, DSparkConfig, DSparkDraft, build_visibility_mask
+from specforge_dspark.objective import build_blocks
+from specforge_dspark.recipe import DraftRecipe, Recipe
+from tests.sglang_shim import SglangUnavailable, import_sglang
+
+TINY = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    vocab_size=72,
+    block_size=3,
+    target_layer_ids=[0, 2],
+    num_target_layers=4,
+    mask_token_id=65,  # in a padded row: fine for the embedding
+    markov_rank=6,
+    rope_theta=500.0,
+)
+
+
+def trained(cfg: DSparkConfig, seed: int = 0) -> DSparkDraft:
+    """A draft with every parameter moved off its init (Markov W2 and norms included)."""
+    torch.manual_seed(seed)
+    draft = DSparkDraft(cfg)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.ndim == 1 else 0.0))
+    return draft
+
+
+def random_head(cfg: DSparkConfig, logical: int, mup: float) -> FrozenHead:
+    g = torch.Generator().manual_seed(7)
+    H, V = cfg.hidden_size, cfg.vocab_size
+    return FrozenHead(torch.randn(V, H, generator=g), torch.randn(V, H, generator=g), logical, mup)
+
+
+def bf16_rounded(draft: DSparkDraft) -> DSparkDraft:
+    copy = DSparkDraft(draft.config)
+    copy.load_state_dict({k: v.bfloat16().float() for k, v in draft.state_dict().items()})
+    return copy
+
+
+def our_logits(draft, head, aux_1SD, ids_1S, anchors_1N):
+    """Teacher-forced draft logits over the logical vocab and confidence, as in training."""
+    S, N, G = ids_1S.shape[1], anchors_1N.shape[1], draft.config.block_size
+    valid = torch.ones(1, N, dtype=torch.bool)
+    blocks = build_blocks(
+        ids_1S, torch.ones_like(ids_1S), anchors_1N, valid, G, draft.config.mask_token_id, 4.0
+    )
+    visible = build_visibility_mask(anchors_1N, valid, torch.ones(1, S, dtype=torch.bool), G)
+    with torch.no_grad():
+        ctx = draft.context(aux_1SD)
+        h = draft(ctx, torch.arange(S)[None], head.embed(blocks.ids_BNG), blocks.pos_BNG, visible)
+        base = head.logits(h)[..., : head.logical_vocab]
+        return draft.apply_heads(h, base, blocks.prev_BNG)
+
+
+def inputs(cfg: DSparkConfig, S: int, anchors: list[int], seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    aux = torch.randn(1, S, len(cfg.target_layer_ids) * cfg.hidden_size, generator=g)
+    ids = torch.randint(0, 60, (1, S), generator=g)
+    return aux, ids, torch.tensor([anchors])
+
+
+def sglang(name: str):
+    try:
+        return import_sglang(name)
+    except SglangUnavailable as e:
+        pytest.skip(str(e))
+
+
+# --------------------------------------------------------------------------- SGLang
+
+
+def test_sglang_config_passes_sglangs_own_parsing(tmp_path):
+    cfg = DSparkConfig(**TINY)
+    out = export.export_draft(trained(cfg), cfg, tmp_path / "sglang", "sglang")
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["architectures"] == ["Qwen3DSparkModel"] and raw["model_type"] == "qwen3"
+    assert raw["tie_word_embeddings"] is False
+    assert "auto_map" not in raw and "speculators_model_type" not in raw
+    for key in DSPARK_KEYS:  # at the root (the head builders read it) and mirrored
+        assert raw[key] == raw["dflash_config"][key], key
+
+    hf_config = sglang("sglang.srt.utils.hf_transformers.config").get_config(
+        str(out), trust_remote_code=False
+    )
+    spec = sglang("sglang.srt.speculative.dspark_components.dspark_config")
+    parsed = spec.parse_dspark_draft_config(draft_hf_config=hf_config)
+    assert parsed.gamma == cfg.block_size
+    assert parsed.target_layer_ids == cfg.target_layer_ids
+    assert parsed.num_target_layers == cfg.num_target_layers
+    assert parsed.num_hidden_layers == cfg.num_hidden_layers
+    assert parsed.mask_token_id == cfg.mask_token_id
+    assert (parsed.markov_rank, parsed.markov_head_type) == (cfg.markov_rank, "vanilla")
+    assert spec.get_dspark_sample_from_anchor(hf_config) is True
+    runtime = spec.resolve_runtime_config(
+        draft_hf_config=hf_config, speculative_num_draft_tokens=None, target_vocab_size=72
+    )
+    assert (runtime.gamma, runtime.mask_token_id) == (cfg.block_size, cfg.mask_token_id)
+
+
+def _sglang_model(hf_config, monkeypatch, ragged_mode: str):
+    """SGLang's own Qwen3DSparkModel on CPU, TP 1 (real construction, real parameters)."""
+    dspark = sglang("sglang.srt.models.dspark")
+    rope = sglang("sglang.srt.layers.rotary_embedding.base")
+    parallel = sglang("sglang.srt.runtime_context").get_parallel()
+    # RoPE picks a vllm custom op off CUDA unless it believes it runs SGLang's CPU engine.
+    monkeypatch.setattr(rope, "_is_cpu", True)
+    # "static" (the default) builds no confidence head; the others do.
+    monkeypatch.setenv("SGLANG_RAGGED_VERIFY_MODE", ragged_mode)
+    single = dict(tp_size=1, tp_rank=0, attn_tp_size=1, attn_tp_rank=0, attn_dp_size=1)
+    single.update(attn_dp_rank=0, attn_cp_size=1, attn_cp_rank=0)
+    with parallel.override(**single):
+        return dspark.Qwen3DSparkModel(hf_config)
+
+
+def _unpacked_params(model) -> dict[str, tuple[int, ...]]:
+    """Checkpoint names and shapes SGLang's load_weights maps onto the model's parameters
+    (the inverse of its stacked_params_mapping: qkv_proj <- q/k/v, gate_up_proj <- gate/up)."""
+    want = {}
+    for name, p in model.named_parameters():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            attn = model.get_submodule(name.removesuffix(".qkv_proj.weight"))
+            q, kv = attn.q_size, attn.kv_size
+            assert p.shape[0] == q + 2 * kv
+            for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                want[name.replace("qkv_proj", proj)] = (rows, p.shape[1])
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            for proj in ("gate_proj", "up_proj"):
+                want[name.replace("gate_up_proj", proj)] = (p.shape[0] // 2, p.shape[1])
+        else:
+            want[name] = tuple(p.shape)
+    return want
+
+
+@pytest.mark.parametrize("ragged_mode", ["compact", "static"])
+def test_sglang_tensors_are_exactly_what_its_dspark_model_loads(tmp_path, monkeypatch, ragged_mode):
+    cfg = DSparkConfig(**TINY)
+    draft = trained(cfg)
+    out = export.export_draft(draft, cfg, tmp_path / "sglang", "sglang")
+    hf_config = sglang("sglang.srt.utils.hf_transformers.config").get_config(
+        str(out), trust_remote_code=False
+    )
+    model = _sglang_model(hf_config, monkeypatch, ragged_mode)
+    ours = load_file(str(out / "model.safetensors"))
+    assert all(t.dtype == torch.bfloat16 for t in ours.values())
+
+    want = _unpacked_params(model)
+    if ragged_mode == "static":  # its loader skips confidence_head.* without a head
+        assert model.confidence_head is None
+        want["confidence_head.proj.weight"] = (1, cfg.hidden_size + cfg.markov_rank)
+        want["confidence_head.proj.bias"] = (1,)
+    assert {k: tuple(v.shape) for k, v in ours.items()} == want
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    model.load_weights(iter(ours.items()))
+    params = dict(model.named_parameters())
+    assert not [n for n, p in params.items() if p.isnan().any()], "parameters left unloaded"
+    for i in range(cfg.num_hidden_layers):
+        pre = f"layers.{i}"
+        qkv = torch.cat([ours[f"{pre}.self_attn.{p}_proj.weight"] for p in "qkv"]).float()
+        assert torch.equal(params[f"{pre}.self_attn.qkv_proj.weight"], qkv)
+        gate_up = torch.cat([ours[f"{pre}.mlp.{p}_proj.weight"] for p in ("gate", "up")]).float()
+        assert torch.equal(params[f"{pre}.mlp.gate_up_proj.weight"], gate_up)
+    for name, p in params.items():
+        if name in ours:
+            assert torch.equal(p.float(), ours[name].float()), name
+
+
+# --------------------------------------------------------------------------- our model
+
+
+def test_reloaded_export_reproduces_the_trained_logits(tmp_path):
+    cfg = DSparkConfig(**TINY)
+    draft = trained(cfg)
+    head = random_head(cfg, logical=64, mup=2.0)
+    args = inputs(cfg, S=14, anchors=[0, 4, 9, 12])
+    want, want_conf = our_logits(draft, head, *args)
+
+    fp32 = export.export_draft(draft, cfg, tmp_path / "fp32", "sglang", dtype=torch.float32)
+    got, got_conf = our_logits(DSparkDraft.from_pretrained(fp32), head, *args)
+    assert torch.equal(got, want) and torch.equal(got_conf, want_conf)
+
+    bf16 = export.export_draft(draft, cfg, tmp_path / "bf16", "sglang")
+    got, got_conf = our_logits(DSparkDraft.from_pretrained(bf16), head, *args)
+    # Exactly the trained draft with its weights rounded to bf16 ...
+    ref, ref_conf = our_logits(bf16_rounded(draft), head, *args)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    torch.testing.assert_close(got_conf, ref_conf, rtol=0, atol=0)
+    # ... which stays within bf16 tolerance of the trained one and keeps its greedy picks.
+    torch.testing.assert_close(got, want, rtol=0.02, atol=0.05 * want.std().item())
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95
+
+
+def test_export_refuses_weights_that_do_not_fit(tmp_path):
+    cfg = DSparkConfig(**TINY)
+    state = trained(cfg).state_dict()
+    state["layers.0.self_attn.qkv_proj.weight"] = state.pop("layers.0.self_attn.q_proj.weight")
+    with pytest.raises(export.ExportError, match="qkv_proj"):
+        export.export_draft(state, cfg, tmp_path / "x", "sglang")
+    with pytest.raises(export.ExportError, match="format"):
+        export.export_draft(trained(cfg), cfg, tmp_path / "x", "onnx")
+    partitioned = trained(cfg)  # what a ZeRO-3 engine's module holds outside a gather
+    partitioned.fc.weight = torch.nn.Parameter(torch.empty(0))
+    with pytest.raises(export.ExportError, match="partitioned"):
+        export.export_draft(partitioned, cfg, tmp_path / "x", "sglang")
+    assert not (tmp_path / "x").exists()
+
+
+# --------------------------------------------------------------------------- speculators
+
+
+def target_draft_config(target_dir: Path) -> DSparkConfig:
+    t = json.loads((target_dir / "config.json").read_text())
+    return DSparkConfig(
+        **{
+            **TINY,
+            "hidden_size": t["hidden_size"],
+            "head_dim": 32,
+            "vocab_size": t["vocab_size"],
+            "num_target_layers": t["num_hidden_layers"],
+            "target_layer_ids": [0, 2],
+            "mask_token_id": 9,
+            "block_size": 4,
+        }
+    )
+
+
+def load_in_speculators(out: Path):
+    """speculators' own DSparkDraftModel from our export, with its CPU-capable attention."""
+    speculators = pytest.importorskip("speculators.models.dspark")
+    config = speculators.DSparkSpeculatorConfig.from_pretrained(out)
+    config.transformer_layer_config._attn_implementation = "eager"  # flex attention is GPU-only
+    model = speculators.DSparkDraftModel.from_pretrained(
+        str(out), config=config, dtype=torch.float32
+    )
+    # Every stored tensor is a model tensor and arrived unchanged; only the verifier's
+    # embedding (and LM head, when not stored) and final norm come from the verifier.
+    stored = load_file(str(out / "model.safetensors"))
+    state = model.state_dict()
+    for name, t in stored.items():
+        assert torch.equal(state[name], t.to(state[name].dtype)), name
+    from_verifier = {"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
+    assert set(state) - set(stored) == from_verifier | ({"lm_head.weight"} - set(stored))
+    return model.eval()
+
+
+def speculators_logits(model, aux_1SD, ids_1S, anchors: list[int]):
+    """Draft logits and confidence by speculators' own code (DSparkDraftModel.forward up to
+    its loss), with its anchor sampling pinned to `anchors` through the loss mask."""
+    S, N, G = ids_1S.shape[1], len(anchors), model.block_size
+    loss_mask = torch.zeros(1, S, dtype=torch.long)
+    loss_mask[0, anchors] = 1  # its only eligible anchors: it takes all of them, sorted
+    with torch.no_grad():
+        hidden, logits, _, _, idx = model._backbone_forward(
+            aux_1SD,
+            ids_1S,
+            loss_mask,
+            torch.randn(1, S, model.hidden_size),  # verifier last hidden: teacher only
+            torch.zeros(1, S),
+            max_anchors=N,
+        )
+        assert idx.view(N, G)[:, 0].tolist() == anchors
+        block_tokens = ids_1S[0, idx].view(N, G)  # sample_from_anchor: prev = block tokens
+        hidden = hidden.view(N, G, -1)
+        prev_emb = model.markov_head.prev_embeddings(block_tokens)
+        bias = model.markov_head.block_bias(
+            prev_token_ids=block_tokens, hidden_states=hidden, prev_emb=prev_emb
+        )
+        conf = model.confidence_head(torch.cat([hidden, prev_emb], -1))
+    return (logits.view(N, G, -1) + bias)[None], conf[None]
+
+
+def test_speculators_export_loads_in_speculators_and_matches_our_logits(tmp_path, tiny_target_dir):
+    cfg = target_draft_config(tiny_target_dir)
+    draft = trained(cfg, seed=1)
+    sglang_dir = export.export_draft(draft, cfg, tmp_path / "sglang", "sglang")
+    # the re-export path: SGLang directory -> speculators
+    out = export.export_checkpoint(
+        sglang_dir, "speculators", tmp_path / "spec", target_path=tiny_target_dir
+    )
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["speculators_model_type"] == "dspark" and raw["sample_from_anchor"] is True
+    assert raw["block_size"] == cfg.block_size
+    proposal = raw["speculators_config"]["proposal_methods"][0]
+    assert proposal == {**proposal, "proposal_type": "greedy", "speculative_tokens": 4}
+    assert raw["aux_hidden_state_layer_ids"] == [1, 3]
+    assert raw["speculators_config"]["verifier"] == {
+        "name_or_path": str(tiny_target_dir.resolve()),
+        "architectures": ["InklingForCausalLM"],
+    }
+    # the padded 1088-row head: reduced to the 1024 ids the target can emit
+    assert raw["draft_vocab_size"] == 1024 and raw["transformer_layer_config"]["vocab_size"] == 1088
+
+    model = load_in_speculators(out)
+    head = load_frozen_head(tiny_target_dir)
+    assert (head.logical_vocab, head.mup_multiplier) == (1024, 4.0)
+    # The export stores the LM head in bf16 (mup 4 is a power of two: the fold is exact).
+    head = FrozenHead(head.embed_weight, head.lm_head_weight.bfloat16().float(), 1024, 4.0)
+    anchors = [2, 7, 11]
+    aux, ids, anchors_1N = inputs(cfg, 20, anchors)
+    want, want_conf = our_logits(
+        DSparkDraft.from_pretrained(sglang_dir), head, aux, ids, anchors_1N
+    )
+    got, got_conf = speculators_logits(model, aux, ids, anchors)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_conf, want_conf, rtol=1e-4, atol=1e-4)
+
+
+def plain_target(path: Path, cfg: DSparkConfig, mup: float | None) -> Path:
+    """A target directory with an unpadded LM head (no tokenizer: all rows are tokens)."""
+    g = torch.Generator().manual_seed(11)
+    V, H = cfg.vocab_size, cfg.hidden_size
+    path.mkdir()
+    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": H}
+    config |= {"vocab_size": V, "num_hidden_layers": cfg.num_target_layers}
+    if mup is not None:
+        config["logits_mup_width_multiplier"] = mup
+    (path / "config.json").write_text(json.dumps(config))
+    weights = {"model.embed_tokens.weight": torch.randn(V, H, generator=g)}
+    weights |= {
+        "lm_head.weight": torch.randn(V, H, generator=g),
+        "model.norm.weight": torch.ones(H),
+    }
+    save_file(weights, str(path / "model.safetensors"))
+    return path
+
+
+def test_speculators_export_of_an_unpadded_target_uses_the_verifier_head(tmp_path):
+    cfg = DSparkConfig(**TINY)
+    draft = trained(cfg, seed=2)
+    target = plain_target(tmp_path / "target", cfg, mup=None)
+    out = export.export_draft(draft, cfg, tmp_path / "spec", "speculators", "org/t", target)
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["draft_vocab_size"] == cfg.vocab_size
+    assert raw["speculators_config"]["verifier"]["name_or_path"] == "org/t"
+    stored = load_file(str(out / "model.safetensors"))
+    assert stored.keys() == draft.state_dict().keys()  # exactly the SGLang names
+
+    raw["speculators_config"]["verifier"]["name_or_path"] = str(target)  # load it locally
+    (out / "config.json").write_text(json.dumps(raw))
+    model = load_in_speculators(out)
+    anchors = [0, 5, 9]
+    aux, ids, anchors_1N = inputs(cfg, 16, anchors)
+    head = load_frozen_head(target)
+    want, want_conf = our_logits(bf16_rounded(draft), head, aux, ids, anchors_1N)
+    got, got_conf = speculators_logits(model, aux, ids, anchors)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_conf, want_conf, rtol=1e-4, atol=1e-4)
+
+    with pytest.raises(export.ExportError, match="muP multiplier"):
+        export.export_draft(
+            draft,
+            cfg,
+            tmp_path / "x",
+            "speculators",
+            target_path=plain_target(tmp_path / "mup", cfg, mup=2.0),
+        )
+    with pytest.raises(export.ExportError, match="target directory"):
+        export.export_draft(draft, cfg, tmp_path / "x", "speculators")
+
+
+def test_export_for_recipe_writes_every_configured_format(tmp_path, tiny_target_dir):
+    cfg = target_draft_config(tiny_target_dir)
+    recipe = Recipe()
+    recipe.target.path = str(tiny_target_dir)
+    recipe.train.output_dir = str(tmp_path / "run")
+    dirs = export.export_for_recipe(trained(cfg), recipe)
+    assert dirs == [
+        tmp_path / "run" / "export" / "sglang",
+        tmp_path / "run" / "export" / "speculators",
+    ]
+    assert DSparkDraft.from_pretrained(dirs[0]).config == cfg
+    assert json.loads((dirs[1] / "config.json").read_text())["speculators_model_type"] == "dspark"
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def fake_training_checkpoint(root: Path, cfg_kwargs: dict, complete: bool = True) -> Path:
+    """A ZeRO-0 step directory in the layout of specforge_dspark/checkpoint.py."""
+    recipe = Recipe(draft=DraftRecipe(**cfg_kwargs))
+    recipe.dist.zero_stage = 0
+    draft = trained(DSparkConfig.from_recipe(recipe.draft), seed=5)
+    step = root / "ckpt" / "step-7"
+    step.mkdir(parents=True)
+    torch.save({"module": draft.state_dict()}, step / "mp_rank_00_model_states.pt")
+    state = {"format_version": 1, "world_size": 1, "recipe": recipe.to_dict(), "step": 7}
+    (step / "train_state.json").write_text(json.dumps(state))
+    if complete:
+        (step / "COMPLETE").write_text("")
+    return step
+
+
+def cli(checkpoint: Path, out: Path) -> int:
+    return export.main(["--checkpoint", str(checkpoint), "--format", "sglang", "--out", str(out)])
+
+
+def test_export_from_a_training_checkpoint_and_refusal_of_an_incomplete_one(tmp_path, capsys):
+    step = fake_training_checkpoint(tmp_path / "run", TINY)
+    saved = torch.load(step / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+
+    assert cli(step, tmp_path / "a") == 0
+    got = load_file(str(tmp_path / "a" / "model.safetensors"))
+    assert got.keys() == saved.keys()
+    assert all(torch.equal(got[k], v.bfloat16()) for k, v in saved.items())
+    assert DSparkConfig.from_dict(json.loads((tmp_path / "a" / "config.json").read_text())) == (
+        DSparkConfig(**TINY)
+    )
+    # the checkpoint root resolves to its latest complete step
+    export.export_checkpoint(step.parent, "sglang", tmp_path / "b")
+    with safe_open(str(tmp_path / "b" / "model.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("fc.weight"), got["fc.weight"])
+
+    (step / "COMPLETE").unlink()
+    with pytest.raises(export.ExportError, match="incomplete checkpoint"):
+        export.export_checkpoint(step, "sglang", tmp_path / "c")
+    assert cli(step, tmp_path / "c") == 2
+    assert "incomplete checkpoint" in capsys.readouterr().err
+    with pytest.raises(export.ExportError, match="no complete step-N"):
+        export.export_checkpoint(step.parent, "sglang", tmp_path / "c")
+    assert not (tmp_path / "c").exists()
