@@ -1,0 +1,107 @@
+"""Acceptance statistics, calibration metrics and the prompt loader (no model needed)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from evaluation.metrics import auroc, calibration_pairs, ece, step_stats
+from evaluation.prompts import load_conversations, parse_workload
+from evaluation.spec_decode import Step, _cut
+
+
+def _naive_auroc(conf, label):
+    pos = [c for c, y in zip(conf, label, strict=True) if y]
+    neg = [c for c, y in zip(conf, label, strict=True) if not y]
+    wins = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p in pos for n in neg)
+    return wins / (len(pos) * len(neg))
+
+
+def test_auroc_matches_pairwise_count_with_ties():
+    rng = random.Random(0)
+    conf = [rng.choice([0.1, 0.2, 0.5, 0.7, 0.9]) for _ in range(200)]
+    label = [int(rng.random() < c) for c in conf]
+    assert auroc(conf, label) == pytest.approx(_naive_auroc(conf, label), abs=1e-12)
+    assert auroc([0.1, 0.9], [0, 1]) == 1.0
+    assert auroc([0.9, 0.1], [0, 1]) == 0.0
+    assert auroc([0.3, 0.4], [1, 1]) is None
+
+
+def test_ece_by_hand():
+    # bin 0: conf 0.05 x2, labels 0,1 -> |0.05-0.5|*2; bin 9: 0.95, label 1 -> 0.05
+    assert ece([0.05, 0.05, 0.95], [0, 1, 1]) == pytest.approx((0.45 * 2 + 0.05) / 3)
+    assert ece([1.0, 0.0], [1, 0]) == 0.0  # conf 1.0 falls in the last bin
+    assert ece([], []) is None
+
+
+def test_step_stats_exact():
+    G = 3
+    steps = [
+        Step(accepted=3, committed=4, confidence=[0.9, 0.8, 0.7]),
+        Step(accepted=1, committed=2, confidence=[0.6, 0.5, 0.4]),
+        Step(accepted=0, committed=1, confidence=[0.3, 0.2, 0.1]),
+        Step(accepted=2, committed=1, confidence=[0.9, 0.9, 0.9]),  # final step, cut by eos
+    ]
+    s = step_stats(steps, G)
+    assert s["steps"] == 4 and s["committed_tokens"] == 8
+    assert s["accept_length"] == 2.0
+    assert s["accept_length_uncut"] == (4 + 2 + 1 + 3) / 4
+    assert s["per_position"] == [3 / 4, 2 / 4, 1 / 4]
+    assert s["accept_length_uncut"] == pytest.approx(1 + sum(s["per_position"]))
+    assert s["accept_length_hist"] == {"1": 2, "2": 1, "3": 0, "4": 1}
+    # judged slots: step0 k=0..2 all accepted; step1 k=0 yes, k=1 no; step2 k=0 no;
+    # step3 k=0,1 yes, k=2 no
+    conf, label = calibration_pairs(steps, G)
+    assert conf == [0.9, 0.8, 0.7, 0.6, 0.5, 0.3, 0.9, 0.9, 0.9]
+    assert label == [1, 1, 1, 1, 0, 0, 1, 1, 0]
+    assert s["calibration"]["pairs"] == 9
+
+
+def test_cut_at_eos_and_budget():
+    eos = {7}
+    assert _cut([1, 2, 3], eos, 10) == ([1, 2, 3], False)
+    assert _cut([1, 7, 3], eos, 10) == ([1, 7], True)
+    assert _cut([1, 2, 3], eos, 2) == ([1, 2], True)
+    assert _cut([1, 2, 3], eos, 3) == ([1, 2, 3], True)
+    assert _cut([1, 2, 7], eos, 2) == ([1, 2], True)
+
+
+def test_loader_by_field_skips_bad_rows(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    rows = [
+        {"text": "first"},
+        {"other": "no field"},
+        {"text": ""},
+        {"text": ["turn a", "turn b"]},
+        {"text": "third"},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n{broken\n")
+    wl = parse_workload(f"mbpp={path}:text")
+    assert (wl.name, wl.field) == ("mbpp", "text")
+    with pytest.warns(UserWarning, match="skipped 3 rows"):
+        convs = load_conversations(wl, 10)
+    assert [c.turns for c in convs] == [("first",), ("turn a", "turn b"), ("third",)]
+    assert [c.index for c in convs] == [0, 1, 2]
+    with pytest.warns(UserWarning, match="skipped 2 rows"):
+        two = load_conversations(wl, 2)
+    assert [c.turns for c in two] == [("first",), ("turn a", "turn b")]
+
+
+def test_builtin_workloads_read_shared_data(shared_data):
+    data = shared_data / "eval"
+    for name in ("gsm8k", "math500", "humaneval"):
+        convs = load_conversations(parse_workload(name, data), 2)
+        assert len(convs) == 2 and all(len(c.turns) == 1 for c in convs)
+    mt = load_conversations(parse_workload("mt_bench", data), 3)
+    assert all(len(c.turns) == 2 for c in mt)
+
+
+def test_bad_workload_specs_name_the_flag(tmp_path):
+    with pytest.raises(ValueError, match="unknown workload 'nope'"):
+        parse_workload("nope")
+    with pytest.raises(ValueError, match="name=path:field"):
+        parse_workload("x=just_a_path")
+    with pytest.raises(ValueError, match="no such file"):
+        load_conversations(parse_workload(f"x={tmp_path}/missing.jsonl:q"), 1)
