@@ -1,0 +1,11 @@
+"""The engine seam: `TargetFeatures` and the backends that produce them.
+
+hf (hf.py, a transformers worker per rank), sglang (sglang.py + the server-side plugin
+sglang_plugin.py), offline (offline.py, shards written by `specforge_dspark.capture`);
+shm.py is the shared memory they write into. `specforge_dspark.stream.FeatureStream`
+picks one by `target.backend`.
+"""
+
+from specforge_dspark.target.features import Sample, TargetFeatures
+
+__all__ = ["Sample", "TargetFeatures"]

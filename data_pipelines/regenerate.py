@@ -1,0 +1,347 @@
+"""On-policy regeneration: the target answers the training prompts itself.
+
+    python -m data_pipelines.regenerate --recipe R --input FILE --out FILE
+        [--backend hf|openai] [--url URL] [--concurrency N] [--batch-size N]
+        [--max-new-tokens N] [--temperature T] [--top-p P] [--chat-template-kwargs JSON]
+        [--errors FILE] [--retry-errors] [key.sub=value ...]
+
+Input rows are read like `prepare` reads them (sharegpt, messages, pairs, or MT-Bench
+style `{"turns": [str, ...]}`); only the system and user turns are kept. The user turns
+are answered in order, each conditioned on the target's own earlier answers. Output rows
+(OpenAI messages, ready for `prepare`): `{"id", "source", "messages", "finish_reasons"}`
+with any reasoning in the assistant turns' `reasoning_content`. The row id is the
+input's `id` field, else "file:row". Output is exactly-once and resumable (see
+journal.py): rerun the same command after a crash or kill to finish the job. Rows that
+cannot be done go to the errors file with a reason; when many rows in a row fail for
+transient reasons (server down) the run stops with exit status 1 instead of failing
+every row, and a rerun retries them. Defaults come from the recipe's `data.regenerate`
+section; flags override them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import sys
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from data_pipelines.backends import Answer, RequestError
+from data_pipelines.formats import (
+    ROLE_ALIASES,
+    FormatConfig,
+    Message,
+    RowError,
+    detect_format,
+    parse_turn,
+)
+from data_pipelines.ingest import count_rows, read_rows
+from data_pipelines.journal import Journal
+
+
+@dataclass
+class Job:
+    id: str
+    source: str
+    prompts: list[Message]
+    """An optional system turn, then the user turns, in order."""
+
+
+def prompts_of(value, cfg: FormatConfig) -> list[Message]:
+    """The system and user turns of one input row; RowError if there is no user turn."""
+    if not isinstance(value, dict):
+        raise RowError("row_not_object", f"got {type(value).__name__}")
+    if cfg.format == "auto" and isinstance(value.get("turns"), list):
+        turns = [{"role": "user", "content": t} for t in value["turns"]]
+    elif detect_format(value, cfg) == "pairs":
+        if cfg.prompt_field not in value:
+            raise RowError("missing_field", cfg.prompt_field)
+        turns = [{"role": "user", "content": value[cfg.prompt_field]}]
+    else:
+        key = "conversations" if "conversations" in value else "messages"
+        turns = value.get(key)
+        if not isinstance(turns, list):
+            raise RowError("conversation_not_list", f"{key} is {type(turns).__name__}")
+    keep = []
+    for i, t in enumerate(turns):
+        role = t.get("role", t.get("from")) if isinstance(t, dict) else None
+        if isinstance(role, str) and ROLE_ALIASES.get(role.strip().lower()) == "assistant":
+            continue  # the target writes its own answers
+        m = parse_turn(t, i)
+        if m["role"] == "tool":
+            raise RowError("tool_turns_unsupported", f"turn {i}")
+        keep.append({"role": m["role"], "content": m["content"]})
+    if any(m["role"] == "system" for m in keep[1:]):
+        raise RowError("misplaced_system")
+    system = value.get("system")
+    if not (keep and keep[0]["role"] == "system"):
+        text = system if isinstance(system, str) and system.strip() else cfg.system_prompt
+        if text:
+            keep.insert(0, {"role": "system", "content": text})
+    if not any(m["role"] == "user" for m in keep):
+        raise RowError("no_user_turn")
+    return keep
+
+
+def jobs(files: list[str], cfg: FormatConfig, journal: Journal, max_rows: int) -> Iterator[Job]:
+    """Rows still to do; unusable rows go to the errors file (once) and are skipped."""
+    seen: set[str] = set()
+    for path in files:
+        taken = 0
+        for raw in read_rows(path):
+            if raw.blank:
+                continue
+            if max_rows and taken >= max_rows:
+                break
+            taken += 1
+            value = raw.value
+            rid = raw.source
+            if raw.error is None and isinstance(value, dict):
+                if isinstance(value.get("id"), str | int) and not isinstance(value["id"], bool):
+                    rid = str(value["id"])
+            if rid in seen:  # report under a distinct id so the first row stays valid
+                rid, dup = f"{rid}@{raw.source}", rid
+                if not journal.is_done(rid):
+                    journal.error(rid, raw.source, "duplicate_id", f"id {dup!r}")
+                continue
+            seen.add(rid)
+            if journal.is_done(rid):
+                continue
+            if raw.error:
+                journal.error(rid, raw.source, *raw.error)
+                continue
+            try:
+                yield Job(rid, raw.source, prompts_of(value, cfg))
+            except RowError as e:
+                journal.error(rid, raw.source, e.reason, e.detail)
+
+
+class _Conversation:
+    """One job being answered: the history sent to the target and the output row."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.rest = deque(job.prompts)
+        self.history: list[Message] = []
+        self.out: list[Message] = []
+        self.finishes: list[str] = []
+        self.error: RequestError | None = None
+
+    def advance(self) -> bool:
+        """Move prompts into the history up to the next user turn; True if one waits."""
+        while self.rest and self.error is None:
+            m = self.rest.popleft()
+            self.history.append(m)
+            self.out.append(m)
+            if m["role"] == "user":
+                return True
+        return False
+
+    def take(self, answer: Answer) -> None:
+        """Append the target's answer; the history carries it without its reasoning, as a
+        chat template shows earlier turns. RequestError if the answer is empty."""
+        if not answer.content.strip():
+            raise RequestError("empty_response", f"finish_reason {answer.finish_reason}")
+        msg: Message = {"role": "assistant", "content": answer.content}
+        if answer.reasoning_content:
+            msg["reasoning_content"] = answer.reasoning_content
+        self.history.append({"role": "assistant", "content": answer.content})
+        self.out.append(msg)
+        self.finishes.append(answer.finish_reason)
+
+    def finish(self, journal: Journal) -> None:
+        j = self.job
+        if self.error is not None:
+            e = self.error
+            journal.error(j.id, j.source, e.reason, e.detail, e.transient)
+        else:
+            row = {"id": j.id, "source": j.source, "messages": self.out}
+            journal.write({**row, "finish_reasons": self.finishes})
+
+
+async def _converse(backend, job: Job, journal: Journal) -> RequestError | None:
+    conv = _Conversation(job)
+    try:
+        while conv.advance():
+            conv.take(await backend.answer(conv.history))
+    except RequestError as e:
+        conv.error = e
+    conv.finish(journal)
+    return conv.error
+
+
+class ServerDown(RuntimeError):
+    """Too many rows in a row failed transiently: stop instead of failing every row."""
+
+
+ABORT_STREAK = 16
+
+
+async def run_openai(todo: Iterator[Job], rc, journal: Journal, bar, retries: int) -> None:
+    """Conversations in parallel (at most rc.concurrency requests in flight), each row
+    written the moment it finishes, in whatever order that is."""
+    from data_pipelines.backends import OpenAIBackend
+
+    async with OpenAIBackend(rc, rc.concurrency, retries) as backend:
+        queue: asyncio.Queue = asyncio.Queue(rc.concurrency * 2)
+
+        async def feed() -> None:
+            for job in todo:
+                await queue.put(job)
+            for _ in range(rc.concurrency):
+                await queue.put(None)
+
+        streak = [0]  # consecutive rows lost to transient failures
+
+        async def work() -> None:
+            while (job := await queue.get()) is not None:
+                error = await _converse(backend, job, journal)
+                streak[0] = streak[0] + 1 if error is not None and error.transient else 0
+                if streak[0] >= max(ABORT_STREAK, 2 * rc.concurrency):
+                    raise ServerDown(f"{streak[0]} rows in a row failed: {error}")
+                bar.update(1)
+                bar.set_postfix(errors=journal.errors, refresh=False)
+
+        await asyncio.gather(feed(), *(work() for _ in range(rc.concurrency)))
+
+
+def run_hf(todo: Iterator[Job], backend, batch_size: int, journal: Journal, bar) -> None:
+    """Batches of conversations, turn by turn: turn t of every conversation in the batch
+    that has one is generated in one `generate` call."""
+    streak = 0  # consecutive batches whose generate raised
+    for batch in _batches(todo, batch_size):
+        convs = [_Conversation(j) for j in batch]
+        while asking := [c for c in convs if c.advance()]:
+            try:
+                answers = backend.answer_batch([c.history for c in asking])
+            except Exception as e:  # fails these rows (retried on resume), not the run...
+                for c in asking:
+                    c.error = RequestError("generate_failed", f"{type(e).__name__}: {e}")
+                streak += 1
+                if streak >= 3:  # ...unless generation is broken altogether
+                    raise ServerDown(f"generate failed {streak} times in a row: {e}") from e
+                continue
+            streak = 0
+            for c, answer in zip(asking, answers, strict=True):
+                try:
+                    c.take(answer)
+                except RequestError as e:
+                    c.error = e
+        for c in convs:
+            c.finish(journal)
+        bar.update(len(batch))
+        bar.set_postfix(errors=journal.errors, refresh=False)
+
+
+def _batches(todo: Iterator[Job], size: int) -> Iterator[list[Job]]:
+    batch: list[Job] = []
+    for job in todo:
+        batch.append(job)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _total(files: list[str], max_rows: int) -> int | None:
+    counts = [count_rows(f) for f in files]
+    if any(c is None for c in counts):
+        return None
+    return sum(min(c, max_rows) if max_rows else c for c in counts)
+
+
+def _check(rc, target_path: str, files: list[str]) -> str | None:
+    """The first problem with the settings, naming the flag / recipe key, or None."""
+    if not files:
+        return "no input: pass --input or set data.train_files"
+    missing = [f for f in files if not Path(f).is_file()]
+    if missing:
+        return f"input file not found: {missing[0]}"
+    if rc.concurrency < 1 or rc.batch_size < 1:
+        return "--concurrency / --batch-size (data.regenerate.*) must be >= 1"
+    if rc.backend == "openai" and not rc.url:
+        return "--url (data.regenerate.url) is needed for the openai backend"
+    if rc.backend == "hf" and not target_path:
+        return "target.path is needed for the hf backend"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specforge_dspark.recipe import RecipeError, load_recipe
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipe", required=True)
+    ap.add_argument("--input", nargs="+", help="input files (default: data.train_files)")
+    ap.add_argument("--out", required=True, type=Path, help="output jsonl (appended, resumable)")
+    ap.add_argument("--errors", type=Path, help="errors jsonl (default: <out>.errors.jsonl)")
+    ap.add_argument("--retry-errors", action="store_true", help="redo rows that failed before")
+    ap.add_argument("--format", choices=["auto", "sharegpt", "messages", "pairs"])
+    ap.add_argument("--backend", choices=["hf", "openai"])
+    ap.add_argument("--url")
+    ap.add_argument("--model")
+    ap.add_argument("--concurrency", type=int)
+    ap.add_argument("--batch-size", type=int)
+    ap.add_argument("--max-new-tokens", type=int)
+    ap.add_argument("--temperature", type=float)
+    ap.add_argument("--top-p", type=float)
+    ap.add_argument("--chat-template-kwargs", type=json.loads, help='JSON, e.g. {"x": 1}')
+    ap.add_argument("--timeout", type=float, dest="request_timeout_s")
+    ap.add_argument("--retries", type=int, default=3, help="per request (openai backend)")
+    ap.add_argument("--max-rows", type=int, help="rows per file (default: data.max_rows)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("overrides", nargs="*", help="recipe overrides, key.sub=value")
+    a = ap.parse_args(argv)
+    try:
+        recipe = load_recipe(a.recipe, a.overrides)
+    except RecipeError as e:
+        print(f"regenerate: {e}", file=sys.stderr)
+        return 2
+    names = [f.name for f in dataclasses.fields(recipe.data.regenerate)]
+    rc = dataclasses.replace(
+        recipe.data.regenerate, **{k: v for k, v in vars(a).items() if k in names and v is not None}
+    )
+    d = recipe.data
+    files = a.input or d.train_files
+    problem = _check(rc, recipe.target.path, files)
+    if problem:
+        print(f"regenerate: {problem}", file=sys.stderr)
+        return 2
+    cfg = FormatConfig(a.format or d.format, d.prompt_field, d.response_field, d.system_prompt)
+    max_rows = d.max_rows if a.max_rows is None else a.max_rows
+    errors = a.errors or a.out.with_name(a.out.name.removesuffix(".jsonl") + ".errors.jsonl")
+    journal = Journal(a.out, errors, a.retry_errors)
+    total = _total(files, max_rows)
+    skip = len(journal.done) + len(journal.failed)
+    bar = tqdm(total=total, initial=min(skip, total or skip), unit="row", disable=a.quiet)
+    status = 0
+    try:
+        todo = jobs(files, cfg, journal, max_rows)
+        if rc.backend == "openai":
+            asyncio.run(run_openai(todo, rc, journal, bar, a.retries))
+        else:
+            from data_pipelines.backends import HFBackend
+
+            backend = HFBackend(recipe.target.path, rc, recipe.target.device)
+            run_hf(todo, backend, rc.batch_size, journal, bar)
+    except ServerDown as e:
+        print(f"regenerate: stopped, {e}; fix the server and rerun to resume", file=sys.stderr)
+        status = 1
+    finally:
+        bar.close()
+        journal.close()
+    print(
+        f"regenerate: {journal.written} rows written this run ({len(journal.done)} in all) "
+        f"-> {a.out}; {journal.errors} errors this run ({len(journal.failed)} in all) -> {errors}"
+    )
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""The `hf` backend: a transformers target in a worker process next to each trainer rank.
+
+`HFTarget` is the model (usable in-process, e.g. by tests and `capture`); `HFEngine`
+is the trainer side: it spawns `worker_main` in its own process, sends it
+`(seq, slot, [B, S])` messages over a pipe, and the worker writes the features straight
+into the slot's shared memory (see shm.py). Only a few ints cross the pipe.
+
+Legend: B batch, S padded length, H hidden size, m aux layers, D = m*H.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from specforge_dspark.target.features import DTYPES, PaddedBatch, TargetDims, TargetFeatures
+from specforge_dspark.target.shm import ShmSlot, SlotReader, sweep_stale_slots
+
+POLL_S = 0.1
+"""How often a waiting trainer checks that its worker is still alive."""
+STARTUP_TIMEOUT_S = 600.0
+"""Longest a worker may take to import transformers and load the target."""
+
+
+class HFTarget:
+    """A frozen transformers causal LM that returns aux and post-norm hidden states.
+
+    Aux layer k is `hidden_states[k+1]` (the output of decoder layer k, before the final
+    norm); `last_hidden` is the decoder's `last_hidden_state`, i.e. after the final norm:
+    the LM head's input before any muP logits division (Inkling divides in the head).
+    """
+
+    def __init__(self, path: str, dtype: str, device: str, layer_ids: list[int], chunk: int):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+        self.model = model.to(device).eval().requires_grad_(False)
+        self.decoder = model.base_model  # the model without its LM head
+        self.device = torch.device(device)
+        self.layer_ids = list(layer_ids)
+        self.chunk = max(1, chunk)
+
+    @torch.inference_mode()
+    def forward_into(
+        self,
+        input_ids_BS: torch.Tensor,
+        lengths_B: torch.Tensor,
+        aux_BSD: torch.Tensor,
+        last_BSH: torch.Tensor,
+    ) -> None:
+        """Run the target on `input_ids_BS`, `chunk` sequences per forward, writing the
+        features into the given (shared-memory) tensors; padded positions get zeros.
+
+        Each chunk is cut to its own longest sequence, so with chunk 1 every sequence
+        runs unpadded and its features do not depend on how the caller batched it
+        (padding changes the kernels' shapes, hence the last bits)."""
+        B, S = input_ids_BS.shape
+        for lo in range(0, B, self.chunk):
+            hi = min(B, lo + self.chunk)
+            lens = lengths_B[lo:hi]
+            Sc = int(lens.max())
+            ids = input_ids_BS[lo:hi, :Sc].to(self.device)
+            mask = None
+            if bool((lens < Sc).any()):
+                mask = (torch.arange(Sc)[None, :] < lens[:, None]).long().to(self.device)
+            out = self.decoder(
+                input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False
+            )
+            # hidden_states: embeddings, then decoder layer outputs (the last entry is
+            # post-norm in some models, Inkling included; aux layers never reach it)
+            H = out.last_hidden_state.shape[-1]
+            for i, k in enumerate(self.layer_ids):
+                aux_BSD[lo:hi, :Sc, i * H : (i + 1) * H].copy_(out.hidden_states[k + 1])
+            last_BSH[lo:hi, :Sc].copy_(out.last_hidden_state)
+            for b, n in enumerate(lens.tolist()):
+                aux_BSD[lo + b, n:] = 0
+                last_BSH[lo + b, n:] = 0
+
+    def forward(self, batch: PaddedBatch, hidden: int) -> TargetFeatures:
+        """In-process convenience: features for `batch` in freshly allocated tensors."""
+        B, S = batch.shape
+        dtype = next(self.model.parameters()).dtype
+        aux = torch.empty(B, S, hidden * len(self.layer_ids), dtype=dtype)
+        last = torch.empty(B, S, hidden, dtype=dtype)
+        self.forward_into(batch.input_ids, batch.lengths, aux, last)
+        return TargetFeatures(
+            batch.sample_ids, batch.input_ids, batch.loss_mask, batch.lengths, aux, last
+        )
+
+
+def worker_main(conn, spec: dict[str, Any]) -> None:
+    """Worker process: load the target, then serve `run` messages until `stop`/EOF."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when we stop
+    torch.set_num_threads(spec["threads"])
+    parent = os.getppid()
+    try:
+        target = HFTarget(
+            spec["path"], spec["dtype"], spec["device"], spec["layer_ids"], spec["chunk"]
+        )
+    except BaseException:
+        conn.send(("error", -1, traceback.format_exc()))
+        return
+    conn.send(("ready", -1, ""))
+    slots = SlotReader()
+    while True:
+        if not conn.poll(1.0):
+            if os.getppid() != parent:  # the trainer died without telling us
+                return
+            continue
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg[0] == "stop":
+            return
+        _, seq, index, path, B, S, lengths = msg
+        try:
+            t0 = time.perf_counter()
+            v = slots.views(index, path, B, S)
+            target.forward_into(v.input_ids, torch.tensor(lengths), v.aux_hidden, v.last_hidden)
+            del v
+            conn.send(("done", seq, f"{time.perf_counter() - t0:.6f}"))
+        except Exception:
+            conn.send(("error", seq, traceback.format_exc()))
+
+
+def worker_threads(world_size: int) -> int:
+    """CPU threads per worker: an even share of the cores among trainers and workers."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return max(1, (os.cpu_count() or 1) // (2 * max(1, local)))
+
+
+def resolve_device(device: str, rank: int) -> str:
+    """`cuda` means this rank's local GPU; anything else is used as given."""
+    if device == "cuda":
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
+    return device
+
+
+class HFEngine:
+    """Trainer side of one hf worker: slots, requests, answers, liveness, timeouts."""
+
+    def __init__(self, recipe, dims: TargetDims, rank: int, world_size: int, num_slots: int):
+        t = recipe.target
+        spec = {
+            "path": t.path,
+            "dtype": t.dtype,
+            "device": resolve_device(t.device, rank),
+            "layer_ids": list(dims.layer_ids),
+            "chunk": t.batch_size,
+            "threads": worker_threads(world_size),
+        }
+        self.rank, self.timeout_s = rank, t.timeout_s
+        dtype = DTYPES[t.dtype]
+        sweep_stale_slots()
+        self.slots = [
+            ShmSlot(f"r{rank}s{i}", dims.aux_width, dims.hidden_size, dtype)
+            for i in range(num_slots)
+        ]
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=worker_main, args=(child, spec), name=f"hf-target-rank{rank}", daemon=True
+        )
+        self.proc.start()
+        child.close()
+        self.forward_seconds = 0.0
+        self._ready = False
+
+    @property
+    def name(self) -> str:
+        return f"hf target worker for rank {self.rank} (pid {self.proc.pid})"
+
+    def wait_ready(self) -> None:
+        if not self._ready:
+            kind, _, text = self._receive(time.monotonic() + STARTUP_TIMEOUT_S, "start-up")
+            if kind != "ready":
+                raise RuntimeError(f"{self.name} failed to load the target:\n{text}")
+            self._ready = True
+
+    def submit(self, seq: int, batch: PaddedBatch) -> None:
+        index = seq % len(self.slots)
+        slot = self.slots[index]
+        B, S = batch.shape
+        slot.prepare(B, S).input_ids.copy_(batch.input_ids)
+        self.conn.send(("run", seq, index, str(slot.path), B, S, batch.lengths.tolist()))
+
+    def result(self, seq: int, batch: PaddedBatch, deadline: float) -> TargetFeatures:
+        self.wait_ready()
+        what = f"batch {seq} (sample ids {batch.sample_ids})"
+        kind, got, text = self._receive(deadline, what)
+        while got < seq:  # answers to requests of an iteration the caller abandoned
+            kind, got, text = self._receive(deadline, what)
+        assert got == seq, f"one FIFO worker answers in order, got {got} for {seq}"
+        if kind == "error":
+            raise RuntimeError(f"{self.name} failed on {what}:\n{text}")
+        self.forward_seconds += float(text)
+        v = self.slots[seq % len(self.slots)].prepare(*batch.shape)
+        return TargetFeatures(
+            batch.sample_ids,
+            batch.input_ids,
+            batch.loss_mask,
+            batch.lengths,
+            v.aux_hidden,
+            v.last_hidden,
+        )
+
+    def _receive(self, deadline: float, what: str) -> tuple[str, int, str]:
+        while True:
+            try:
+                if self.conn.poll(POLL_S):
+                    return self.conn.recv()
+            except (EOFError, OSError):  # the worker is gone: say so below
+                self.proc.join(1.0)
+            if not self.proc.is_alive():
+                self.proc.join(1.0)
+                raise RuntimeError(
+                    f"{self.name} died (exit code {self.proc.exitcode}) while the trainer "
+                    f"waited for {what}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.name} did not answer {what} within target.timeout_s="
+                    f"{self.timeout_s:g}s (stalled or overloaded worker)"
+                )
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+            self.proc.join(2.0)
+        if self.proc.is_alive():
+            self.proc.kill()  # also ends a stopped (SIGSTOP) worker
+            self.proc.join(5.0)
+        self.conn.close()
+        for slot in self.slots:
+            slot.close()

@@ -1,0 +1,346 @@
+"""The `sglang` backend: a live SGLang server for the target, features by shared memory.
+
+The trainer's local rank 0 starts `python -m sglang.launch_server` with `launch_args`
+(or every rank attaches to `target.sglang.url`). Each batch becomes one `/generate`
+request (max_new_tokens 1, return_hidden_states) whose rids name a shared-memory slot
+and a ticket per sequence; our SGLang plugin (sglang_plugin.py, loaded in the server
+through its entry point) writes the aux and last hidden states there instead of
+returning JSON lists. The reply only says "done"; the tickets say what was written.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import Any
+
+from specforge_dspark.target.features import (
+    DTYPES,
+    PaddedBatch,
+    TargetDims,
+    TargetFeatures,
+    check_layer_ids,
+    read_target_dims,
+)
+from specforge_dspark.target.sglang_plugin import PLUGIN_NAME, make_rid
+from specforge_dspark.target.shm import (
+    DONE,
+    DTYPE_CODES,
+    FAILED,
+    ShmSlot,
+    Ticket,
+    sweep_stale_slots,
+)
+
+RESERVED = {
+    "model_path": "target.path",
+    "host": "target.sglang.host",
+    "port": "target.sglang.port",
+    "enable_return_aux_hidden_states": "the backend (always on)",
+    "speculative_algorithm": "the backend (DSPARK capture convention)",
+    "return_aux_hidden_state_layer_ids": "draft.target_layer_ids",
+    "disable_radix_cache": "the backend (always on: cached prefixes have no hidden states)",
+}
+POLL_S = 0.5
+
+
+def launch_args(recipe) -> list[str]:
+    """`sglang.launch_server` arguments for the recipe: capture flags + server_args."""
+    t, s, d = recipe.target, recipe.target.sglang, recipe.draft
+    check_layer_ids(d.target_layer_ids, d.num_target_layers)
+    args = ["--model-path", str(t.path), "--host", s.host, "--port", str(s.port)]
+    args += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "DSPARK"]
+    args += ["--return-aux-hidden-state-layer-ids", *map(str, d.target_layer_ids)]
+    args += ["--disable-radix-cache"]
+    for key, value in s.server_args.items():
+        if key in RESERVED:
+            raise ValueError(
+                f"target.sglang.server_args.{key} is set by {RESERVED[key]}; remove it"
+            )
+        args += _flag(key, value)
+    return args
+
+
+def _flag(key: str, value: Any) -> list[str]:
+    flag = "--" + key.replace("_", "-")
+    if value is None or value is False:
+        return []
+    if value is True:
+        return [flag]
+    if isinstance(value, list | tuple):
+        return [flag, *map(str, value)]
+    if isinstance(value, dict):
+        return [flag, json.dumps(value)]
+    return [flag, str(value)]
+
+
+def validate_launch_args(args: list[str]) -> Any:
+    """Run SGLang's own argument parsing and its model-independent resolution hooks
+    (`prepare_server_args` + `ServerArgs.resolve_once`, which includes
+    `handle_aux_hidden_state_capture`) on `args`; returns the resolved view. The model
+    path is swapped for "dummy" so that the checks run without the weights (the server
+    repeats all of them, model-dependent ones included, when it starts)."""
+    from sglang.srt.arg_groups.overrides import resolved_view
+    from sglang.srt.server_args import prepare_server_args
+
+    argv = list(args)
+    argv[argv.index("--model-path") + 1] = "dummy"
+    server_args = prepare_server_args(argv)
+    server_args.resolve_once()
+    return resolved_view(server_args)
+
+
+def request_body(rids: list[str], input_ids: list[list[int]]) -> dict[str, Any]:
+    """The `/generate` request for one batch: prefill only, hidden states requested."""
+    return {
+        "rid": rids,
+        "input_ids": input_ids,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        "return_hidden_states": True,
+        "stream": False,
+    }
+
+
+class ServerProcess:
+    """A `sglang.launch_server` child in its own process group, logging to a file."""
+
+    def __init__(self, args: list[str], log_path: Path):
+        names = {ep.name for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")}
+        if PLUGIN_NAME not in names:
+            raise RuntimeError(
+                f"the {PLUGIN_NAME} SGLang plugin is not registered in this environment "
+                "(entry point group sglang.srt.plugins): run `pip install -e .` here"
+            )
+        env = dict(os.environ)
+        allowed = env.get("SGLANG_PLUGINS")
+        if allowed and PLUGIN_NAME not in allowed.split(","):
+            env["SGLANG_PLUGINS"] = f"{allowed},{PLUGIN_NAME}"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
+        with log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "sglang.launch_server", *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+            )
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll()
+
+    def tail(self, lines: int = 30) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def stop(self) -> None:
+        for sig, wait in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+            if self.proc.poll() is not None:
+                return
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+class SGLangEngine:
+    """Trainer side of the sglang backend for one rank."""
+
+    def __init__(self, recipe, rank: int, world_size: int, num_slots: int):
+        t = recipe.target
+        self.recipe, self.rank, self.timeout_s = recipe, rank, t.timeout_s
+        self.dims: TargetDims = read_target_dims(t.path, recipe.draft.target_layer_ids)
+        self.url = (t.sglang.url or f"http://{t.sglang.host}:{t.sglang.port}").rstrip("/")
+        self.dtype = DTYPES[t.dtype]
+        sweep_stale_slots()
+        self.slots = [
+            ShmSlot(f"r{rank}s{i}", self.dims.aux_width, self.dims.hidden_size, self.dtype)
+            for i in range(num_slots)
+        ]
+        self.futures: dict[int, Future] = {}
+        self.slot_busy: list[Future | None] = [None] * num_slots
+        self.server: ServerProcess | None = None
+        if t.sglang.url is None and int(os.environ.get("LOCAL_RANK", rank)) == 0:
+            log = Path(recipe.train.output_dir) / f"sglang_server_rank{rank}.log"
+            self.server = ServerProcess(launch_args(recipe), log)
+        self._ready = False
+
+    @property
+    def name(self) -> str:
+        pid = f" (pid {self.server.proc.pid})" if self.server else ""
+        return f"sglang server {self.url}{pid}"
+
+    # ------------------------------------------------------------------ start-up
+
+    def wait_ready(self) -> None:
+        if self._ready:
+            return
+        limit = self.recipe.target.sglang.startup_timeout_s
+        deadline = time.monotonic() + limit
+        while not self._healthy():
+            self._check_server("start-up")
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.name} not healthy within target.sglang.startup_timeout_s={limit:g}s"
+                )
+            time.sleep(POLL_S)
+        self._ready = True
+        probe = PaddedBatch([-1], *_probe_tensors())
+        self.submit(-1, probe)
+        self.result(-1, probe, time.monotonic() + self.timeout_s)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health_generate", timeout=5.0) as r:
+                return r.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def _check_server(self, what: str) -> None:
+        code = self.server.exit_code() if self.server else None
+        if code is not None:
+            raise RuntimeError(
+                f"{self.name} exited with code {code} during {what}; last log lines "
+                f"({self.server.log_path}):\n{self.server.tail()}"
+            )
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, seq: int, batch: PaddedBatch) -> None:
+        index = seq % len(self.slots)
+        busy = self.slot_busy[index]
+        if busy is not None:  # an abandoned request may still write here: let it finish
+            try:
+                busy.result(timeout=self.timeout_s)
+            except Exception:
+                pass
+        slot = self.slots[index]
+        B, S = batch.shape
+        views = slot.prepare(B, S)
+        lay = slot.layout
+        item = views.aux_hidden.element_size()
+        rids, ids = [], []
+        for b in range(B):
+            n = int(batch.lengths[b])
+            slot.write_ticket(
+                b,
+                Ticket(
+                    status=0,
+                    rows=n,
+                    written=0,
+                    aux_off=lay.aux_off + b * S * lay.aux_width * item,
+                    last_off=lay.last_off + b * S * lay.hidden * item,
+                    aux_width=lay.aux_width,
+                    hidden=lay.hidden,
+                    dtype_code=DTYPE_CODES[self.dtype],
+                ),
+            )
+            rids.append(make_rid(f"{seq}-{b}-{uuid.uuid4().hex[:8]}", b, str(slot.path)))
+            ids.append(batch.input_ids[b, :n].tolist())
+        fut: Future = Future()
+        body = json.dumps(request_body(rids, ids)).encode()
+        threading.Thread(
+            target=self._post, args=(body, fut), daemon=True, name=f"sglang-req-{seq}"
+        ).start()
+        self.futures[seq] = fut
+        self.slot_busy[index] = fut
+
+    def _post(self, body: bytes, fut: Future) -> None:
+        req = urllib.request.Request(
+            f"{self.url}/generate", data=body, headers={"Content-Type": "application/json"}
+        )
+        try:
+            # the trainer's deadline (timeout_s) fires first; this only frees the thread
+            with urllib.request.urlopen(req, timeout=self.timeout_s + 30.0) as r:
+                fut.set_result(json.loads(r.read()))
+        except urllib.error.HTTPError as e:
+            detail = e.read()[:500].decode(errors="replace")
+            fut.set_exception(RuntimeError(f"HTTP {e.code}: {detail}"))
+        except Exception as e:  # connection refused, reset, socket timeout, bad JSON
+            fut.set_exception(RuntimeError(f"{type(e).__name__}: {e}"))
+
+    def result(self, seq: int, batch: PaddedBatch, deadline: float) -> TargetFeatures:
+        self.wait_ready()
+        what = "the start-up probe" if seq < 0 else f"batch {seq} (sample ids {batch.sample_ids})"
+        fut = self.futures.pop(seq)
+        while True:
+            try:
+                reply = fut.result(timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
+                break
+            except FutureTimeout:
+                self._check_server(f"the wait for {what}")
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"{self.name} did not answer {what} within target.timeout_s="
+                        f"{self.timeout_s:g}s (stalled or overloaded server)"
+                    ) from None
+            except RuntimeError as e:
+                self._check_server(f"the wait for {what}")
+                raise RuntimeError(f"{self.name} failed on {what}: {e}") from None
+        _check_reply(reply, self.name, what)
+        slot = self.slots[seq % len(self.slots)]
+        views = slot.prepare(*batch.shape)
+        for b in range(batch.shape[0]):
+            n = int(batch.lengths[b])
+            _check_ticket(slot.read_ticket(b), n, self.name, f"{what}, sequence {b}")
+            views.aux_hidden[b, n:] = 0
+            views.last_hidden[b, n:] = 0
+        return TargetFeatures(
+            batch.sample_ids,
+            batch.input_ids,
+            batch.loss_mask,
+            batch.lengths,
+            views.aux_hidden,
+            views.last_hidden,
+        )
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        for slot in self.slots:
+            slot.close()
+
+
+def _probe_tensors():
+    import torch
+
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    return ids, torch.zeros_like(ids), torch.tensor([2])
+
+
+def _check_reply(reply: Any, name: str, what: str) -> None:
+    outputs = reply if isinstance(reply, list) else [reply]
+    for out in outputs:
+        if not isinstance(out, dict) or "error" in out:
+            raise RuntimeError(f"{name} refused {what}: {str(out)[:500]}")
+        finish = (out.get("meta_info") or {}).get("finish_reason") or {}
+        if isinstance(finish, dict) and finish.get("type") == "abort":
+            raise RuntimeError(f"{name} aborted {what}: {finish.get('message')}")
+
+
+def _check_ticket(t: Ticket | None, rows: int, name: str, what: str) -> None:
+    if t is not None and t.status == DONE and t.written == rows:
+        return
+    if t is not None and t.status == FAILED:
+        raise RuntimeError(f"{name} could not capture {what}: {t.error}")
+    raise RuntimeError(
+        f"{name} answered {what} but wrote no features: is specforge_dspark installed in "
+        f"the server's environment (entry point sglang.srt.plugins:{PLUGIN_NAME}) and not "
+        "excluded by SGLANG_PLUGINS?"
+    )

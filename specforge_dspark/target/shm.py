@@ -1,0 +1,270 @@
+"""Shared-memory slots: where a target engine writes features for the trainer to read.
+
+A slot is one file under /dev/shm (tmpfs: pages exist only once touched), mapped by
+the trainer and by the producer (the hf worker, or the SGLang scheduler through our
+plugin). Tensors are views of the mapping, so nothing is pickled or copied on the way.
+Layout, all offsets 64-byte aligned:
+
+    header   magic, capacity (tokens), max_seqs, aux width D, hidden H, dtype, offsets
+    tickets  max_seqs x 256 bytes: per-sequence request/answer records (sglang backend)
+    ids      int64 [capacity]          input ids, [B, S] row-major
+    aux      dtype [capacity, D]       aux hidden states, [B, S, D]
+    last     dtype [capacity, H]       post-norm last hidden states, [B, S, H]
+
+The trainer owns the files (creates, grows, unlinks); producers only open and write.
+This module imports only the standard library and torch, so the SGLang plugin can use
+it inside the server.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+FILE_PREFIX = "sfdspark-"
+
+DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+
+_HEADER = struct.Struct("<8s9q")  # magic, capacity, max_seqs, D, H, dtype, 4 offsets
+_MAGIC = b"SFDSPK01"
+_TICKET = struct.Struct("<8s9q176s")  # magic, status, rows, written, offsets..., error
+TICKET_SIZE = 256
+_TICKET_MAGIC = b"SFDTKT01"
+
+PENDING, DONE, FAILED = 0, 1, 2
+
+
+def _align(n: int) -> int:
+    return (n + 63) // 64 * 64
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    capacity: int  # tokens
+    max_seqs: int
+    aux_width: int  # D
+    hidden: int  # H
+    dtype: torch.dtype
+    tickets_off: int
+    ids_off: int
+    aux_off: int
+    last_off: int
+    nbytes: int
+
+    @staticmethod
+    def plan(capacity: int, max_seqs: int, aux_width: int, hidden: int, dtype) -> SlotLayout:
+        item = torch.empty((), dtype=dtype).element_size()
+        tickets = _align(_HEADER.size)
+        ids = _align(tickets + max_seqs * TICKET_SIZE)
+        aux = _align(ids + capacity * 8)
+        last = _align(aux + capacity * aux_width * item)
+        end = _align(last + capacity * hidden * item)
+        return SlotLayout(
+            capacity, max_seqs, aux_width, hidden, dtype, tickets, ids, aux, last, end
+        )
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(
+            _MAGIC,
+            self.capacity,
+            self.max_seqs,
+            self.aux_width,
+            self.hidden,
+            DTYPE_CODES[self.dtype],
+            self.tickets_off,
+            self.ids_off,
+            self.aux_off,
+            self.last_off,
+        )
+
+    @staticmethod
+    def unpack(buf, where: str) -> SlotLayout:
+        magic, cap, seqs, aux_w, hidden, code, t_off, i_off, a_off, l_off = _HEADER.unpack_from(
+            buf, 0
+        )
+        if magic != _MAGIC or code not in CODE_DTYPES:
+            raise RuntimeError(f"{where}: not a specforge_dspark feature slot (bad header)")
+        plan = SlotLayout.plan(cap, seqs, aux_w, hidden, CODE_DTYPES[code])
+        if (plan.tickets_off, plan.ids_off, plan.aux_off, plan.last_off) != (
+            t_off,
+            i_off,
+            a_off,
+            l_off,
+        ):
+            raise RuntimeError(f"{where}: slot header offsets disagree with its sizes")
+        return plan
+
+
+@dataclass
+class Ticket:
+    """One sequence's request/answer record inside a slot (used by the sglang backend)."""
+
+    status: int
+    rows: int  # tokens expected
+    written: int  # tokens the producer wrote
+    aux_off: int  # byte offset of this sequence's first aux row
+    last_off: int  # byte offset of its first last-hidden row
+    aux_width: int
+    hidden: int
+    dtype_code: int
+    error: str = ""
+
+    def pack(self) -> bytes:
+        err = self.error.encode()[:176]
+        return _TICKET.pack(
+            _TICKET_MAGIC,
+            self.status,
+            self.rows,
+            self.written,
+            self.aux_off,
+            self.last_off,
+            self.aux_width,
+            self.hidden,
+            self.dtype_code,
+            0,
+            err,
+        )
+
+    @staticmethod
+    def unpack(buf, offset: int) -> Ticket | None:
+        magic, status, rows, written, a_off, l_off, aux_w, hidden, code, _, err = (
+            _TICKET.unpack_from(buf, offset)
+        )
+        if magic != _TICKET_MAGIC:
+            return None
+        text = err.rstrip(b"\0").decode(errors="replace")
+        return Ticket(status, rows, written, a_off, l_off, aux_w, hidden, code, text)
+
+
+def map_file(path: str | Path, size: int | None = None) -> mmap.mmap:
+    """Map `path` read-write; create it with `size` bytes when size is given."""
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if size is not None else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if size is not None:
+            os.ftruncate(fd, size)
+        return mmap.mmap(fd, 0)
+    finally:
+        os.close(fd)
+
+
+def view(buf, dtype: torch.dtype, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor aliasing `buf` bytes [offset, offset + prod(shape) * itemsize)."""
+    count = 1
+    for n in shape:
+        count *= n
+    return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(shape)
+
+
+def release(buf: mmap.mmap | None) -> None:
+    """Unmap when no tensor still aliases it; otherwise the GC unmaps it later."""
+    if buf is None:
+        return
+    try:
+        buf.close()
+    except BufferError:
+        pass
+
+
+class SlotViews:
+    """Tensors over one mapped slot for a [B, S] request (producer or consumer side)."""
+
+    def __init__(self, buf: mmap.mmap, layout: SlotLayout, B: int, S: int):
+        if B * S > layout.capacity or B > layout.max_seqs:
+            raise RuntimeError(
+                f"slot holds {layout.capacity} tokens / {layout.max_seqs} sequences, "
+                f"request needs [{B}, {S}]"
+            )
+        self.layout = layout
+        self.input_ids = view(buf, torch.long, layout.ids_off, (B, S))
+        self.aux_hidden = view(buf, layout.dtype, layout.aux_off, (B, S, layout.aux_width))
+        self.last_hidden = view(buf, layout.dtype, layout.last_off, (B, S, layout.hidden))
+
+
+class ShmSlot:
+    """A trainer-owned slot file that grows (never shrinks) to fit each request."""
+
+    def __init__(self, tag: str, aux_width: int, hidden: int, dtype: torch.dtype):
+        self.tag = tag
+        self.aux_width, self.hidden, self.dtype = aux_width, hidden, dtype
+        self.path: Path | None = None
+        self.layout: SlotLayout | None = None
+        self.buf: mmap.mmap | None = None
+
+    def prepare(self, B: int, S: int) -> SlotViews:
+        """Views for a [B, S] request, reallocating first when it does not fit."""
+        lay = self.layout
+        if lay is None or B * S > lay.capacity or B > lay.max_seqs:
+            cap = max(B * S, 2 * lay.capacity if lay else 0)
+            seqs = max(B, lay.max_seqs if lay else 0)
+            self._allocate(SlotLayout.plan(cap, seqs, self.aux_width, self.hidden, self.dtype))
+        return SlotViews(self.buf, self.layout, B, S)
+
+    def _allocate(self, layout: SlotLayout) -> None:
+        self.close()
+        path = SHM_DIR / f"{FILE_PREFIX}{os.getpid()}-{self.tag}-{uuid.uuid4().hex[:12]}"
+        buf = map_file(path, layout.nbytes)
+        buf[: _HEADER.size] = layout.pack()
+        self.path, self.layout, self.buf = path, layout, buf
+
+    def ticket_offset(self, index: int) -> int:
+        assert self.layout is not None and index < self.layout.max_seqs
+        return self.layout.tickets_off + index * TICKET_SIZE
+
+    def write_ticket(self, index: int, ticket: Ticket) -> None:
+        off = self.ticket_offset(index)
+        self.buf[off : off + _TICKET.size] = ticket.pack()
+
+    def read_ticket(self, index: int) -> Ticket | None:
+        return Ticket.unpack(self.buf, self.ticket_offset(index))
+
+    def close(self) -> None:
+        """Unlink the file; the mapping goes once no yielded tensor uses it."""
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+        release(self.buf)
+        self.path, self.layout, self.buf = None, None, None
+
+
+def sweep_stale_slots() -> list[Path]:
+    """Unlink slot files of ours (same uid) whose creating process is gone, e.g. after a
+    SIGKILL, so a crashed run does not keep holding shared memory; returns them."""
+    swept = []
+    for path in SHM_DIR.glob(f"{FILE_PREFIX}*"):
+        try:
+            pid = int(path.name[len(FILE_PREFIX) :].split("-", 1)[0])
+            if path.stat().st_uid != os.getuid():
+                continue
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            swept.append(path)
+        except (ValueError, OSError):
+            continue  # not ours to judge: malformed name, vanished, or another user's pid
+    return swept
+
+
+class SlotReader:
+    """Producer side: slot index -> mapping, remapped when the trainer regrows a slot."""
+
+    def __init__(self):
+        self._maps: dict[int, tuple[str, mmap.mmap, SlotLayout]] = {}
+
+    def views(self, index: int, path: str, B: int, S: int) -> SlotViews:
+        cached = self._maps.get(index)
+        if cached is None or cached[0] != path:
+            if cached is not None:
+                release(cached[1])
+            buf = map_file(path)
+            cached = (path, buf, SlotLayout.unpack(buf, path))
+            self._maps[index] = cached
+        return SlotViews(cached[1], cached[2], B, S)

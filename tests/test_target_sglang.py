@@ -1,0 +1,242 @@
+"""The sglang backend's client against a fake server on 127.0.0.1 (no GPU, no sglang).
+
+The fake speaks SGLang's `/health_generate` and `/generate` and hands the request
+through our plugin hook (`append_prefill_hidden_states`) with fake scheduler objects,
+as the real scheduler would: all of a batch's rows in one flat tensor with offsets.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specforge_dspark.recipe import load_recipe, recipe_from_dict
+from specforge_dspark.stream import FeatureStream
+from specforge_dspark.target.sglang import launch_args, request_body
+from specforge_dspark.target.sglang_plugin import append_prefill_hidden_states, fail, parse_rid
+
+H, LAYERS = 128, [0, 1, 2]  # the tiny target's hidden size
+
+
+def fake_features(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic bf16 'server' features: aux [n, 3H], last [n, H]."""
+    x = torch.tensor(ids, dtype=torch.float32)[:, None]
+    aux = x * 0.5 + torch.arange(3 * H, dtype=torch.float32)[None, :] * 1e-2
+    last = -x + torch.arange(H, dtype=torch.float32)[None, :] * 1e-3
+    return aux.bfloat16(), last.bfloat16()
+
+
+class Mode:
+    full = SimpleNamespace(is_full=lambda: True, is_last=lambda: False)
+
+
+class FakeServer:
+    """behaviour: ok | stall | http500 | noplugin | chunked"""
+
+    def __init__(self):
+        self.behaviour = "ok"
+        self.release = threading.Event()
+        self.bodies: list[dict] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _reply(self, code: int, payload=None):
+                body = json.dumps(payload).encode() if payload is not None else b""
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                self._reply(200 if self.path == "/health_generate" else 404)
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.bodies.append(body)
+                if fake.behaviour == "stall":
+                    fake.release.wait(30)
+                if fake.behaviour == "http500":
+                    return self._reply(500, {"error": {"message": "boom"}})
+                if fake.behaviour != "noplugin":
+                    fake.schedule(body)
+                out = [
+                    {"text": "", "meta_info": {"id": r, "finish_reason": {"type": "length"}}}
+                    for r in body["rid"]
+                ]
+                self._reply(200, out)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def schedule(self, body: dict) -> None:
+        """One extend batch: flat rows, then the per-request hidden-state handler."""
+        feats = [fake_features(ids) for ids in body["input_ids"]]
+        out = SimpleNamespace(
+            hidden_states=torch.cat([a for a, _ in feats]),
+            last_hidden_states=torch.cat([h for _, h in feats]),
+        )
+        offset = 0
+        for rid, ids in zip(body["rid"], body["input_ids"], strict=True):
+            req = SimpleNamespace(rid=rid, inflight_middle_chunks=0)
+            if self.behaviour == "chunked":
+                ticket, path = parse_rid(rid)
+                fail(path, ticket, "server split the sequence into prefill chunks")
+                continue
+            offset = append_prefill_hidden_states(
+                None,
+                None,
+                req=req,
+                logits_output=out,
+                hidden_state_offset=offset,
+                capture_hidden_mode=Mode.full,
+                extend_input_len=len(ids),
+                store=True,
+            )
+        assert self.behaviour == "chunked" or offset == out.hidden_states.shape[0]
+
+    def close(self):
+        self.release.set()
+        self.httpd.shutdown()
+
+
+@pytest.fixture()
+def server():
+    s = FakeServer()
+    yield s
+    s.close()
+
+
+def sglang_recipe(target_dir, url: str, **target):
+    return recipe_from_dict(
+        {
+            "target": {
+                "path": str(target_dir),
+                "backend": "sglang",
+                "prefetch": 2,
+                "timeout_s": 20,
+                "sglang": {"url": url, "startup_timeout_s": 5},
+            }
+            | target,
+            "draft": {"target_layer_ids": LAYERS, "num_target_layers": 4, "vocab_size": 1088},
+        }
+    )
+
+
+class S:
+    def __init__(self, sid, n):
+        self.sample_id, self.input_ids, self.loss_mask = sid, list(range(3, 3 + n)), [1] * n
+
+
+def test_features_arrive_through_shared_memory(server, tiny_target_dir):
+    batches = [[S(1, 5), S(2, 9)], [S(3, 4)], [S(4, 12), S(5, 2)]]
+    with FeatureStream(sglang_recipe(tiny_target_dir, server.url)) as stream:
+        got = [
+            (f.sample_ids, f.aux_hidden.clone(), f.last_hidden.clone())
+            for f in stream.iterate(batches)
+        ]
+    assert [g[0] for g in got] == [[1, 2], [3], [4, 5]]
+    for (_, aux, last), batch in zip(got, batches, strict=True):
+        for b, s in enumerate(batch):
+            want_aux, want_last = fake_features(s.input_ids)
+            n = len(s.input_ids)
+            assert torch.equal(aux[b, :n], want_aux.float()), "fp32 copy of the bf16 rows"
+            assert torch.equal(last[b, :n], want_last.float())
+            assert aux[b, n:].abs().sum() == 0 and last[b, n:].abs().sum() == 0
+    body = server.bodies[-1]  # request shape: token ids only, prefill, hidden states on
+    assert body["input_ids"] == [list(range(3, 15)), [3, 4]] and body["return_hidden_states"]
+    assert body["sampling_params"]["max_new_tokens"] == 1
+
+
+def test_stalled_server_hits_the_request_timeout(server, tiny_target_dir):
+    recipe = sglang_recipe(tiny_target_dir, server.url, timeout_s=1.0)
+    with FeatureStream(recipe) as stream:
+        server.behaviour = "stall"
+        with pytest.raises(TimeoutError, match=rf"sglang server {server.url} did not answer"):
+            list(stream.iterate([[S(1, 5)]]))
+
+
+@pytest.mark.parametrize(
+    "behaviour, message",
+    [
+        ("http500", r"failed on batch \d+ .*HTTP 500"),
+        ("noplugin", r"answered batch \d+ .* but wrote no features: is specforge_dspark"),
+        ("chunked", r"could not capture batch \d+ .*prefill chunks"),
+    ],
+)
+def test_server_failures_name_the_server_and_the_cause(server, tiny_target_dir, behaviour, message):
+    with FeatureStream(sglang_recipe(tiny_target_dir, server.url)) as stream:
+        server.behaviour = behaviour
+        with pytest.raises(RuntimeError, match=rf"sglang server {server.url} {message}"):
+            list(stream.iterate([[S(1, 5)]]))
+
+
+def test_unreachable_server_fails_at_start_up(tiny_target_dir):
+    recipe = sglang_recipe(tiny_target_dir, "http://127.0.0.1:9", timeout_s=1.0)
+    recipe.target.sglang.startup_timeout_s = 1.0
+    with pytest.raises(TimeoutError, match=r"127\.0\.0\.1:9 not healthy within"):
+        with FeatureStream(recipe):
+            pass
+
+
+def test_plugin_passes_other_requests_to_sglang(tiny_target_dir):
+    seen = {}
+
+    def original(self, **kw):
+        seen.update(kw)
+        return kw["hidden_state_offset"] + kw["extend_input_len"]
+
+    req = SimpleNamespace(rid="user-request-1")
+    end = append_prefill_hidden_states(
+        original,
+        None,
+        req=req,
+        logits_output=None,
+        hidden_state_offset=3,
+        capture_hidden_mode=Mode.full,
+        extend_input_len=4,
+        store=True,
+    )
+    assert end == 7 and seen["req"] is req
+
+
+def test_launch_args_for_the_production_recipe(repo):
+    args = launch_args(load_recipe(repo / "recipes" / "inkling_nvfp4.yaml"))
+    i = args.index("--return-aux-hidden-state-layer-ids")
+    assert args[i + 1 : i + 6] == ["5", "17", "35", "47", "59"]
+    assert args[args.index("--speculative-algorithm") + 1] == "DSPARK"
+    for flag in (
+        "--enable-return-aux-hidden-states",
+        "--disable-radix-cache",
+        "--trust-remote-code",
+    ):
+        assert flag in args
+    assert args[args.index("--tp-size") + 1] == "8"
+    assert args[args.index("--mem-fraction-static") + 1] == "0.55"
+
+
+def test_launch_args_refuse_reserved_keys_and_unsorted_layers(repo):
+    recipe = load_recipe(repo / "recipes" / "inkling_nvfp4.yaml")
+    recipe.target.sglang.server_args["port"] = 1234
+    with pytest.raises(ValueError, match=r"target\.sglang\.server_args\.port is set by"):
+        launch_args(recipe)
+    recipe = load_recipe(repo / "recipes" / "inkling_nvfp4.yaml")
+    recipe.draft.target_layer_ids = [17, 5]
+    with pytest.raises(ValueError, match="strictly ascending"):
+        launch_args(recipe)
+
+
+def test_request_body_shape():
+    body = request_body(["a", "b"], [[1, 2], [3]])
+    assert body["rid"] == ["a", "b"] and body["input_ids"] == [[1, 2], [3]]
+    assert body["return_hidden_states"] is True and body["stream"] is False
