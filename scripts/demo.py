@@ -97,25 +97,40 @@ def main(argv: list[str] | None = None) -> int:
             out_dir=str(out / f"eval_{name}"),
         )
 
-    rows = []
+    print(
+        f"\n{'drafter':<10} {'accept_length':>14}  "
+        + "  ".join(f"{w:>9}" for w in workloads)
+        + f"  {'speedup':>8}"
+    )
     for name, res in results.items():
-        per = {w: v["accept_length"] for w, v in res["workloads"].items()}
-        rows.append((name, res["accept_length"], per))
-    print(f"\n{'drafter':<10} {'accept_length':>14}  " + "  ".join(f"{w:>9}" for w in workloads))
-    for name, mean, per in rows:
-        print(f"{name:<10} {mean:>14.3f}  " + "  ".join(f"{per[w]:>9.3f}" for w in workloads))
+        o, per = res["overall"], res["workloads"]
+        print(
+            f"{name:<10} {o['accept_length']:>14.3f}  "
+            + "  ".join(f"{per[w]['accept_length']:>9.3f}" for w in workloads)
+            + f"  {o['speedup']:>7.2f}x"
+        )
+
+    def brief(res: dict) -> dict:
+        keep = (
+            "accept_length",
+            "per_position",
+            "lossless",
+            "tokens_per_s_spec",
+            "tokens_per_s_plain",
+        )
+        return {
+            "accept_length": res["overall"]["accept_length"],
+            "per_position": res["overall"]["per_position"],
+            "speedup": res["overall"]["speedup"],
+            "workloads": {w: {k: v[k] for k in keep} for w, v in res["workloads"].items()},
+        }
 
     summary = {
-        "trained": {
-            "accept_length": results["trained"]["accept_length"],
-            "workloads": results["trained"]["workloads"],
-        },
-        "untrained": {
-            "accept_length": results["untrained"]["accept_length"],
-            "workloads": results["untrained"]["workloads"],
-        },
+        "trained": brief(results["trained"]),
+        "untrained": brief(results["untrained"]),
         "export_dirs": [str(p) for p in export_dirs],
         "target_dir": str(Path(recipe.target.path)),
+        "eval_dirs": [str(out / "eval_untrained"), str(out / "eval_trained")],
         "recipe": a.recipe,
         "overrides": overrides,
         "seconds": round(time.time() - t0, 1),

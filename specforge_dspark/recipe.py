@@ -408,6 +408,11 @@ def validate(r: Recipe) -> list[str]:
         )
     dupes = sorted({k for k in d.target_layer_ids if d.target_layer_ids.count(k) > 1})
     need(not dupes, f"draft.target_layer_ids repeats layer(s) {dupes}")
+    need(
+        dupes or d.target_layer_ids == sorted(d.target_layer_ids),
+        f"draft.target_layer_ids must be ascending (SGLang captures them in order), got "
+        f"{d.target_layer_ids}",
+    )
     need(d.rms_norm_eps > 0, "draft.rms_norm_eps must be > 0")
     need(d.rope_theta > 0, "draft.rope_theta must be > 0")
 

@@ -40,7 +40,11 @@ def test_production_values_match_spec():
     assert d.target_layer_ids == [5, 17, 35, 47, 59] and d.num_target_layers == 66
     assert (d.markov_rank, d.markov_head_type, d.rope_theta) == (256, "vanilla", 8e6)
     assert (o.num_anchors, o.ce_weight, o.l1_weight, o.bce_weight, o.gamma) == (
-        512, 0.1, 0.9, 1.0, 4.0
+        512,
+        0.1,
+        0.9,
+        1.0,
+        4.0,
     )
     p = r.optim
     assert (p.lr, p.warmup_ratio, p.grad_clip, p.scheduler) == (6e-4, 0.04, 1.0, "cosine")
@@ -97,6 +101,7 @@ def test_problems_are_collected_into_one_error(tmp_path):
     [
         ({"draft": {"num_attention_heads": 6, "num_key_value_heads": 4}}, "multiple of"),
         ({"draft": {"target_layer_ids": [1, 1]}}, "repeats layer(s) [1]"),
+        ({"draft": {"target_layer_ids": [2, 0]}}, "must be ascending"),
         ({"draft": {"markov_head_type": "lstm"}}, "'lstm' is not one of"),
         ({"train": {"micro_batch_size": "2"}}, "train.micro_batch_size: expected an integer"),
         ({"target": {"backend": "offline"}}, "target.offline_dir must be set"),
@@ -133,7 +138,10 @@ def test_section_hash_tracks_values():
 def _dry_run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(REPO / "train.py"), "--dry-run", *args],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
     )
 
 
@@ -145,8 +153,9 @@ def test_dry_run_production_param_count():
 
 def test_dry_run_bad_recipe_is_one_message_not_a_traceback(tmp_path):
     bad = tmp_path / "typo.yaml"
-    bad.write_text((REPO / "recipes" / "tiny_cpu.yaml").read_text().replace(
-        "num_anchors:", "num_anchor:"))
+    bad.write_text(
+        (REPO / "recipes" / "tiny_cpu.yaml").read_text().replace("num_anchors:", "num_anchor:")
+    )
     p = _dry_run("--recipe", str(bad))
     assert p.returncode == 2
     assert "Traceback" not in p.stderr
