@@ -145,9 +145,12 @@ BENCH_DOC = """Stream benchmark on the tiny target (CPU), two figures:
 
 1. `stream bytes_per_s=<x> memcpy_bytes_per_s=<y> ratio=<x/y>`: x = feature bytes
    (aux + last hidden) per second that one rank receives from its hf worker through the
-   stream, end to end (the target's forward included), the consumer reading every
-   element once; y = an in-process copy (`Tensor.copy_`) of the same tensors. x/y << 1
-   means the target's forward, not the transport, bounds the stream.
+   stream with the worker in transport-only mode (SPECFORGE_STREAM_REPLAY=1: after the
+   first forward it re-writes those features into each shared-memory slot instead of
+   recomputing), the consumer reading every element once; y = the same bytes copied
+   in process (`Tensor.copy_`) and then read once; --transfer-seq-len tokens a batch
+   (2048: 4 MB of features). The end-to-end rate with the tiny target's forward in the
+   loop (--seq-len tokens a batch) is printed on stderr.
 2. `stream wait_fraction=<f>`: 2 ranks, each its own process with its own hf worker,
    each consuming its batches with a simulated trainer step; f = the mean over ranks of
    (seconds blocked in `iterate`) / (seconds in the loop). The simulated step is the
@@ -236,12 +239,32 @@ def _bench_rank(rank: int, world: int, target: str, n: int, seq_len: int, conn) 
         conn.send((stream.wait_seconds, time.monotonic() - t0))
 
 
-def _bench_transfer(target: str, n: int, seq_len: int) -> tuple[float, float]:
+def _bench_transfer(target: str, n: int, seq_len: int, transfer_len: int) -> tuple[float, float]:
     """(stream bytes/s, in-process copy bytes/s) for one rank with an idle consumer."""
     import torch
 
     torch.set_num_threads(1)  # one trainer rank; threads spinning on a busy box skew copy_
+    end_to_end = _stream_rate(target, n, seq_len)[0]
+    os.environ["SPECFORGE_STREAM_REPLAY"] = "1"
+    try:
+        stream_bps, src = _stream_rate(target, n, transfer_len)
+    finally:
+        del os.environ["SPECFORGE_STREAM_REPLAY"]
+    print(f"  end to end (target forward included): {end_to_end:.4g} bytes/s", file=sys.stderr)
+    dst = [torch.empty_like(t) for t in src]
+    nbytes = sum(t.numel() * t.element_size() for t in src)
+    reps = max(10, int(2e8 // max(1, nbytes)))
+    total = 0.0
+    t0 = time.monotonic()
+    for _ in range(reps):
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s)
+        total += float(dst[0].sum() + dst[1].sum())  # read it all, as the stream consumer
+    return stream_bps, nbytes * reps / (time.monotonic() - t0)
 
+
+def _stream_rate(target: str, n: int, seq_len: int):
+    """(bytes/s one rank receives, the last batch's tensors) for n timed batches."""
     with FeatureStream(_bench_recipe(target, prefetch=2)) as stream:
         batches = _bench_batches(n + 1, seq_len, seed=0)
         next(iter(stream.iterate(batches[:1])))  # warm-up
@@ -259,14 +282,7 @@ def _bench_transfer(target: str, n: int, seq_len: int) -> tuple[float, float]:
         f"waited {stream.wait_seconds:.2f}s",
         file=sys.stderr,
     )
-    dst = [torch.empty_like(t) for t in src]
-    nbytes = sum(t.numel() * t.element_size() for t in src)
-    reps = max(10, int(2e8 // max(1, nbytes)))
-    t0 = time.monotonic()
-    for _ in range(reps):
-        for d, s in zip(dst, src, strict=True):
-            d.copy_(s)
-    return stream_bps, nbytes * reps / (time.monotonic() - t0)
+    return stream_bps, src
 
 
 def bench_main(argv: list[str] | None = None) -> int:
@@ -281,11 +297,14 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default=".cache/tiny_target", help="built here if missing")
     ap.add_argument("--batches", type=int, default=24, help="timed batches per rank")
     ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument(
+        "--transfer-seq-len", type=int, default=2048, help="tokens per batch, transport-only"
+    )
     a = ap.parse_args(argv)
     from specforge_dspark.tiny_target import build
 
     target = str(build(Path(a.target), log=lambda *x: print(*x, file=sys.stderr)))
-    x, y = _bench_transfer(target, a.batches, a.seq_len)
+    x, y = _bench_transfer(target, a.batches, a.seq_len, a.transfer_seq_len)
     print(f"stream bytes_per_s={x:.4g} memcpy_bytes_per_s={y:.4g} ratio={x / y:.4g}", flush=True)
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
