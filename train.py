@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--stop-at-step", type=int, default=0, help="save and stop at this step (preemption drill)"
     )
     ap.add_argument("overrides", nargs="*", help="recipe overrides, e.g. objective.num_anchors=256")
-    return ap.parse_args(argv)
+    return ap.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         run = build(recipe, args.resume)
         train(run, stop_at_step=args.stop_at_step)
     except (ResumeError, RecipeError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        where = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
+        print(f"{where}error: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -48,8 +48,8 @@ def _train(out: Path, *extra: str, env: dict | None = None, port: int = 29701):
         "train.py",
         "--recipe",
         "recipes/tiny_cpu.yaml",
-        *extra,
         *overrides,
+        *extra,  # after the defaults above, so a test's own overrides win
     ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600)
@@ -100,9 +100,9 @@ def test_killed_save_leaves_previous_checkpoint_and_resume_is_exact(runs):
 def test_resume_with_changed_objective_is_refused(runs):
     base, _, _ = runs
     p = _train(base / "full", "--resume", "auto", "objective.num_anchors=8", port=29714)
-    assert p.returncode == 2
-    assert "objective.num_anchors: 16 -> 8" in p.stderr
-    assert "Traceback" not in p.stderr
+    assert p.returncode != 0  # torchrun reports a failed rank as 1
+    assert "error: " in p.stderr and "objective.num_anchors: 16 -> 8" in p.stderr
+    assert 'train.py", line' not in p.stderr  # a message, not a traceback through our code
 
 
 def test_metrics_reach_trackio(runs, monkeypatch):
