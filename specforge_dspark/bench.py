@@ -1,0 +1,163 @@
+"""Benchmarks: `python -m specforge_dspark.bench objective|stream|prepare|all [args]`.
+
+Each benchmark is a function `bench_main(argv: list[str] | None = None) -> int` in its own
+module (table below), imported only when asked for; extra arguments after the name go to
+it. `all` runs every benchmark with its defaults and says which ones are not available.
+
+objective: one forward+backward of the draft and the objective on CPU at the real Inkling
+vocabulary (201024 LM-head rows, 200058 logical), hidden 256, 2 layers, 3 aux layers,
+S=4096, G=7, random weights and features, for each anchor count and chunk size in a fresh
+subprocess (peak RSS is per process). One line per configuration:
+  objective dtype=<fp32|bf16> anchors=<N> chunk=<C> tokens_per_s=<x> peak_rss_mb=<y>
+tokens = anchors x G; chunk=0 is unchunked. An unchunked run whose estimated peak exceeds
+--max-unchunked-gb (or 80% of the memory available now) is skipped with a message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import resource
+import subprocess
+import sys
+import time
+
+BENCHES = {
+    "objective": ("specforge_dspark.bench", "objective_main"),
+    "stream": ("specforge_dspark.stream", "bench_main"),
+    "prepare": ("data_pipelines.prepare", "bench_main"),
+}
+
+VOCAB_ROWS, LOGICAL_VOCAB, MASK_TOKEN = 201024, 200058, 200064
+SEQ_LEN, PROMPT_LEN, WARMUP_ANCHORS = 4096, 512, 16
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+# Unchunked fp32 peak ~ BASE_MB + VOCAB_COPIES logical-vocab fp32 rows per slot (fitted to
+# 3.1 GB at 128 and 5.3 GB at 256 anchors).
+BASE_MB, VOCAB_COPIES = 930, 3.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in (*BENCHES, "all"):
+        print(f"usage: python -m specforge_dspark.bench {{{'|'.join([*BENCHES, 'all'])}}} [args]")
+        return 2
+    name, rest = argv[0], argv[1:]
+    if name != "all":
+        return _run(name, rest)
+    return max(_run(n, []) for n in BENCHES)
+
+
+def _run(name: str, argv: list[str]) -> int:
+    module, attr = BENCHES[name]
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        print(f"bench {name}: not available ({module}.{attr}: {e})", flush=True)
+        return 1
+    return int(fn(argv) or 0)
+
+
+# --------------------------------------------------------------------------- objective
+
+
+def objective_main(argv: list[str] | None = None) -> int:
+    """Runs each configuration in a fresh subprocess and prints its line."""
+    ap = argparse.ArgumentParser(prog="bench objective", description=__doc__)
+    ap.add_argument("--anchors", type=int, nargs="+", default=[128, 256, 512, 1024])
+    ap.add_argument("--chunks", type=int, nargs="+", default=[64, 128, 0])
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    ap.add_argument("--max-unchunked-gb", type=float, default=16.0)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        print(_objective_once(a.anchors[0], a.chunks[0], a.dtype), flush=True)
+        return 0
+    failed = 0
+    for n in a.anchors:
+        for chunk in a.chunks:
+            if chunk == 0:
+                est_gb = (BASE_MB + VOCAB_COPIES * n * 7 * LOGICAL_VOCAB * 4 / 2**20) / 1024
+                limit_gb = min(a.max_unchunked_gb, 0.8 * _available_gb())
+                if est_gb > limit_gb:
+                    print(
+                        f"objective dtype={a.dtype} anchors={n} chunk=0 skipped: estimated "
+                        f"peak {est_gb:.1f} GB > {limit_gb:.1f} GB",
+                        flush=True,
+                    )
+                    continue
+            cmd = [sys.executable, "-m", "specforge_dspark.bench", "objective", "--child"]
+            cmd += ["--anchors", str(n), "--chunks", str(chunk), "--dtype", a.dtype]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            lines = proc.stdout.strip().splitlines()
+            if proc.returncode or not lines:
+                failed = 1
+                print(
+                    f"objective dtype={a.dtype} anchors={n} chunk={chunk} failed "
+                    f"(exit {proc.returncode}): {proc.stderr.strip()[-500:]}",
+                    flush=True,
+                )
+                continue
+            print(lines[-1], flush=True)
+    return failed
+
+
+def _available_gb() -> float:
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) / 2**20
+
+
+def _objective_once(num_anchors: int, chunk: int, dtype_name: str) -> str:
+    """Build random weights and features, warm up, time one forward+backward."""
+    import torch
+
+    from specforge_dspark.frozen_head import FrozenHead
+    from specforge_dspark.model import DSparkConfig, DSparkDraft
+    from specforge_dspark.objective import compute_loss
+    from specforge_dspark.recipe import DraftRecipe, ObjectiveRecipe
+
+    dtype = getattr(torch, DTYPES[dtype_name])
+    torch.manual_seed(0)
+    recipe = DraftRecipe(
+        vocab_size=VOCAB_ROWS,
+        mask_token_id=MASK_TOKEN,
+        target_layer_ids=[1, 3, 5],
+        num_target_layers=8,
+    )
+    config = DSparkConfig.from_recipe(recipe)
+    draft = DSparkDraft(config).to(dtype)
+    H = config.hidden_size
+    head = FrozenHead(
+        torch.randn(VOCAB_ROWS, H, dtype=dtype),
+        torch.randn(VOCAB_ROWS, H, dtype=dtype) / H**0.5,
+        LOGICAL_VOCAB,
+    )
+    ids_1S = torch.randint(0, LOGICAL_VOCAB, (1, SEQ_LEN))
+    mask_1S = torch.ones(1, SEQ_LEN, dtype=torch.long)
+    mask_1S[:, :PROMPT_LEN] = 0
+    aux_1SD = torch.randn(1, SEQ_LEN, 3 * H, dtype=dtype)
+    last_1SH = torch.randn(1, SEQ_LEN, H, dtype=dtype)
+    generator = torch.Generator().manual_seed(0)
+
+    def step(n: int, c: int) -> None:
+        obj = ObjectiveRecipe(num_anchors=n, chunk_size=c)
+        draft.zero_grad(set_to_none=True)
+        out = compute_loss(draft, head, ids_1S, mask_1S, aux_1SD, last_1SH, obj, generator)
+        out.loss.backward()
+
+    # Warm-up on the same code path (two chunks when chunked), small enough not to set
+    # the peak.
+    step(WARMUP_ANCHORS, min(chunk, WARMUP_ANCHORS // 2))
+    start = time.perf_counter()
+    step(num_anchors, chunk)
+    seconds = time.perf_counter() - start
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    tokens = num_anchors * config.block_size
+    return (
+        f"objective dtype={dtype_name} anchors={num_anchors} chunk={chunk} "
+        f"tokens_per_s={tokens / seconds:.1f} peak_rss_mb={peak_mb:.0f}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

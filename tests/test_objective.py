@@ -1,0 +1,448 @@
+"""The training objective against an independent float64 loop reference (DSPARK_SPEC.md s.3).
+
+Shapes: B sequences, S positions, N anchor columns, G block size, V LM-head rows,
+L logical vocabulary (rows >= L are padding the target never emits).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specforge_dspark.frozen_head import FrozenHead
+from specforge_dspark.model import DSparkConfig, DSparkDraft
+from specforge_dspark.objective import (
+    build_blocks,
+    compute_loss,
+    compute_loss_at,
+    sample_anchors,
+)
+from specforge_dspark.recipe import ObjectiveRecipe
+
+V, L, H, G, S, N = 53, 48, 32, 4, 24, 6
+MASK = 50  # a padded row: fine for the embedding, never for the logits
+MUP = 2.0
+OBJ = ObjectiveRecipe(num_anchors=N, ce_weight=0.3, l1_weight=0.9, bce_weight=0.7, gamma=3.0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny ops: a second OpenMP thread only adds stalls when the cores are shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_models(seed: int = 0, **cfg) -> tuple[DSparkDraft, FrozenHead]:
+    """A tiny drafter with every parameter random (markov_w2 starts at 0 otherwise)."""
+    torch.manual_seed(seed)
+    config = DSparkConfig(
+        hidden_size=H,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=V,
+        block_size=G,
+        target_layer_ids=[0, 1, 2],
+        num_target_layers=4,
+        mask_token_id=MASK,
+        markov_rank=8,
+        **cfg,
+    )
+    draft = DSparkDraft(config)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p))
+            if p.dim() == 2:
+                p.div_(math.sqrt(p.shape[1]))
+    head = FrozenHead(torch.randn(V, H), torch.randn(V, H) * 2.0, L, MUP)
+    return draft, head
+
+
+def make_batch(seed: int = 1) -> dict[str, torch.Tensor]:
+    """Sequences: short answer then right padding, a hole and the sequence end, no eligible
+    anchor at all, fully supervised."""
+    g = torch.Generator().manual_seed(seed)
+    ids_BS = torch.randint(0, L, (4, S), generator=g)
+    mask_BS = torch.zeros(4, S, dtype=torch.long)
+    mask_BS[0, 5:9] = 1  # 3 eligible anchors -> 3 invalid columns
+    ids_BS[0, 12:] = 0  # right padding
+    mask_BS[1, 3:] = 1
+    mask_BS[1, 12] = 0  # blocks cut by an unsupervised label; others by the end
+    mask_BS[2, [2, 6, 9]] = 1  # isolated: no eligible anchor
+    mask_BS[3, :] = 1
+    return {
+        "input_ids_BS": ids_BS,
+        "loss_mask_BS": mask_BS,
+        "aux_hidden_BSD": torch.randn(4, S, 3 * H, generator=g),
+        "last_hidden_BSH": torch.randn(4, S, H, generator=g),
+    }
+
+
+def anchors_for(batch, seed: int = 2, n: int = N):
+    return sample_anchors(batch["loss_mask_BS"], n, torch.Generator().manual_seed(seed))
+
+
+def to64(draft, head, batch):
+    d64 = copy.deepcopy(draft).double()
+    h64 = FrozenHead(head.embed_weight.double(), head.lm_head_weight.double(), L, MUP)
+    b64 = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
+    return d64, h64, b64
+
+
+def run(draft, head, batch, anchors, obj=OBJ):
+    """(loss, metrics, grads by name) of one compute_loss_at + backward."""
+    draft.zero_grad(set_to_none=True)
+    out = compute_loss_at(
+        draft, head, **batch, anchors_BN=anchors[0], block_valid_BN=anchors[1], obj=obj
+    )
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in draft.named_parameters()}
+    return out.loss.detach(), out.metrics, grads
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def reference(draft, head, batch, anchors_BN, valid_BN, obj=OBJ):
+    """Explicit loops over sequences, anchors and slots; float64; autograd for gradients."""
+    ids, lm = batch["input_ids_BS"], batch["loss_mask_BS"]
+    aux, last = batch["aux_hidden_BSD"], batch["last_hidden_BSH"]
+    B = ids.shape[0]
+    num = {"ce": 0.0, "l1": 0.0, "bce": 0.0}
+    wsum = 0.0
+    per_k = {m: [[] for _ in range(G)] for m in ("alpha", "top1", "ce_k", "conf_err")}
+    ctx_BSH = draft.context(aux)
+    for b in range(B):
+        for j in range(anchors_BN.shape[1]):
+            if not valid_BN[b, j]:
+                continue
+            a = int(anchors_BN[b, j])
+            assert lm[b, a] and lm[b, a + 1]
+            block_ids = torch.tensor([ids[b, a]] + [MASK] * (G - 1))
+            visible = torch.zeros(1, G, S + G, dtype=torch.bool)
+            visible[0, :, :a] = True  # context strictly before the anchor
+            visible[0, :, S:] = True  # the whole block, bidirectional
+            h_GH = draft(
+                ctx_BSH[b : b + 1],
+                torch.arange(S)[None],
+                head.embed(block_ids)[None, None],
+                (a + torch.arange(G))[None, None],
+                visible,
+            )[0, 0]
+            ys = [ids[b, a + k + 1] if a + k + 1 < S else None for k in range(G)]
+            prev = torch.tensor([ids[b, a]] + [y if y is not None else 0 for y in ys[:-1]])
+            logits_GV, conf_G = draft.apply_heads(
+                h_GH[None, None], head.logits(h_GH)[None, None], prev[None, None]
+            )
+            for k in range(G):
+                t = a + k + 1
+                if t >= S or not lm[b, t]:
+                    break  # the block stops at its first unsupervised label
+                q = torch.softmax(logits_GV[0, 0, k, :L], -1)
+                with torch.no_grad():
+                    p = torch.softmax(head.logits(last[b, a + k])[:L], -1)
+                ce = -torch.log(q[ids[b, t]])
+                l1 = (q - p).abs().sum()
+                alpha = torch.minimum(p, q.detach()).sum()
+                if conf_G is None:
+                    bce, err = 0.0, math.nan
+                else:
+                    c = conf_G[0, 0, k]
+                    bce = -(alpha * F.logsigmoid(c) + (1 - alpha) * F.logsigmoid(-c))
+                    err = abs(float(torch.sigmoid(c.detach())) - float(alpha))
+                w = math.exp(-k / obj.gamma)
+                num["ce"] = num["ce"] + w * ce
+                num["l1"] = num["l1"] + w * l1
+                num["bce"] = num["bce"] + w * bce
+                wsum += w
+                per_k["alpha"][k].append(float(alpha))
+                per_k["top1"][k].append(float(q.argmax() == p.argmax()))
+                per_k["ce_k"][k].append(float(ce.detach()))
+                per_k["conf_err"][k].append(err)
+    terms = {k: torch.as_tensor(v / wsum, dtype=torch.float64) for k, v in num.items()}
+    loss = obj.ce_weight * terms["ce"] + obj.l1_weight * terms["l1"] + obj.bce_weight * terms["bce"]
+    draft.zero_grad(set_to_none=True)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in draft.named_parameters()}
+    means = {
+        m: torch.tensor([sum(v) / len(v) if v else math.nan for v in per_k[m]], dtype=torch.float64)
+        for m in per_k
+    }
+    tau = 1.0 + torch.cumprod(means["alpha"], 0).sum()
+    metrics = {
+        "loss": float(loss.detach()),
+        **{k: float(v.detach()) for k, v in terms.items()},
+        **means,
+        "tau": float(tau),
+        "weight_sum": wsum,
+        "valid_blocks": float(valid_BN.sum()),
+        "supervised_slots": float(sum(len(v) for v in per_k["alpha"])),
+        "sequences_skipped": float((~valid_BN.any(1)).sum()),
+    }
+    return metrics, grads
+
+
+def assert_close_metrics(got, want, rtol):
+    assert set(got) == set(want)
+    for name, w in want.items():
+        torch.testing.assert_close(
+            got[name].double(),
+            torch.as_tensor(w, dtype=torch.float64),
+            rtol=rtol,
+            atol=rtol,
+            equal_nan=True,
+            msg=name,
+        )
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_matches_loop_reference_float64(chunk):
+    draft, head = make_models()
+    draft, head, batch = to64(draft, head, make_batch())
+    anchors = anchors_for(batch)
+    assert anchors[1].sum(1).tolist() == [3, N, 0, N]  # invalid columns, one skipped sequence
+    obj = ObjectiveRecipe(**{**OBJ.__dict__, "chunk_size": chunk})
+    loss, metrics, grads = run(draft, head, batch, anchors, obj)
+    ref_metrics, ref_grads = reference(draft, head, batch, *anchors, obj)
+    assert_close_metrics(metrics, ref_metrics, rtol=1e-9)
+    assert float(loss) == pytest.approx(ref_metrics["loss"], rel=1e-12)
+    assert set(grads) == set(ref_grads)
+    for name, g in ref_grads.items():
+        assert g.abs().max() > 0, name  # every parameter is exercised
+        torch.testing.assert_close(grads[name], g, rtol=1e-9, atol=1e-11, msg=name)
+
+
+def test_float32_matches_float64_reference():
+    draft, head = make_models()
+    batch = make_batch()
+    anchors = anchors_for(batch)
+    loss, metrics, grads = run(draft, head, batch, anchors)
+    ref_metrics, ref_grads = reference(*to64(draft, head, batch), *anchors)
+    assert float(loss) == pytest.approx(ref_metrics["loss"], rel=1e-5)
+    assert_close_metrics(metrics, ref_metrics, rtol=1e-4)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name].double(), g, rtol=1e-3, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("markov", ["gated", "rnn"])
+def test_other_heads_and_no_confidence_match_reference(markov):
+    draft, head = make_models(markov_head_type=markov, enable_confidence_head=False)
+    draft, head, batch = to64(draft, head, make_batch())
+    anchors = anchors_for(batch)
+    loss, metrics, grads = run(draft, head, batch, anchors)
+    no_bce = ObjectiveRecipe(**{**OBJ.__dict__, "bce_weight": 0.0})
+    ref_metrics, ref_grads = reference(draft, head, batch, *anchors, no_bce)
+    assert float(metrics["bce"]) == 0.0 and torch.isnan(metrics["conf_err"]).all()
+    assert float(loss) == pytest.approx(ref_metrics["loss"], rel=1e-12)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-9, atol=1e-11, msg=name)
+
+
+def test_chunked_equals_unchunked():
+    draft, head = make_models()
+    draft, head, batch = to64(draft, head, make_batch())
+    anchors = anchors_for(batch, n=7)
+    results = {}
+    for chunk in (0, 1, 3, 4, 7, 50):  # 3 and 4 do not divide N = 7
+        obj = ObjectiveRecipe(**{**OBJ.__dict__, "num_anchors": 7, "chunk_size": chunk})
+        results[chunk] = run(draft, head, batch, anchors, obj)
+    loss0, metrics0, grads0 = results.pop(0)
+    for chunk, (loss, metrics, grads) in results.items():
+        torch.testing.assert_close(loss, loss0, rtol=1e-12, atol=0, msg=f"chunk {chunk}")
+        assert_close_metrics(metrics, metrics0, rtol=1e-12)
+        for name, g in grads0.items():
+            torch.testing.assert_close(grads[name], g, rtol=1e-10, atol=1e-13, msg=name)
+
+
+def test_slot_k_supervised_by_token_a_plus_k_plus_1():
+    """One anchor a on distinct tokens: slot k's CE is -log q_k(x[a+k+1]), its teacher is
+    last_hidden[a+k], its Markov prev is x[a+k]; the neighbouring conventions differ."""
+    draft, head = make_models()
+    draft, head, batch = to64(draft, head, make_batch())
+    ids = torch.randperm(L, generator=torch.Generator().manual_seed(3))[:S][None]
+    mask = torch.ones(1, S, dtype=torch.long)
+    last = batch["last_hidden_BSH"][:1]
+    a = 9
+    bl = build_blocks(ids, mask, torch.tensor([[a]]), torch.tensor([[True]]), G, MASK, 4.0)
+    assert bl.labels_BNG[0, 0].tolist() == ids[0, a + 1 : a + 1 + G].tolist()
+    assert bl.prev_BNG[0, 0].tolist() == ids[0, a : a + G].tolist()
+    assert bl.ids_BNG[0, 0].tolist() == [ids[0, a].item()] + [MASK] * (G - 1)
+    assert bl.pos_BNG[0, 0].tolist() == list(range(a, a + G))
+    assert bl.teacher_idx_BNG[0, 0].tolist() == list(range(a, a + G))
+
+    out = compute_loss_at(
+        draft,
+        head,
+        ids,
+        mask,
+        batch["aux_hidden_BSD"][:1],
+        last,
+        torch.tensor([[a]]),
+        torch.tensor([[True]]),
+        OBJ,
+    )
+    visible = torch.zeros(1, G, S + G, dtype=torch.bool)
+    visible[0, :, :a] = visible[0, :, S:] = True
+    with torch.no_grad():
+        h = draft(
+            draft.context(batch["aux_hidden_BSD"][:1]),
+            torch.arange(S)[None],
+            head.embed(bl.ids_BNG),
+            bl.pos_BNG,
+            visible,
+        )
+        z = draft.apply_heads(h, head.logits(h), bl.prev_BNG)[0][0, 0, :, :L]
+        logq = torch.log_softmax(z, -1)
+        p = torch.softmax(head.logits(last[0, a : a + G])[:, :L], -1)
+    ce = [-logq[k, ids[0, a + k + 1]] for k in range(G)]
+    ce_shifted = [-logq[k, ids[0, a + k]] for k in range(G)]  # DFlash's slot-0-is-bonus
+    torch.testing.assert_close(out.metrics["ce_k"], torch.stack(ce), rtol=1e-12, atol=0)
+    assert all(abs(x - y) > 1e-6 for x, y in zip(ce, ce_shifted, strict=True))
+    alpha = torch.minimum(p, logq.exp()).sum(-1)
+    torch.testing.assert_close(out.metrics["alpha"], alpha, rtol=1e-12, atol=0)
+
+
+def test_padded_rows_get_no_mass():
+    """Padded LM-head rows that would dominate every softmax are excluded: metrics match
+    the logical-vocab reference, and the draft's padded Markov rows get no gradient."""
+    draft, head = make_models()
+    draft, head, batch = to64(draft, head, make_batch())
+    with torch.no_grad():
+        # rows >= L aligned with every hidden state: logits there would be the largest
+        head.lm_head_weight[L:] = 50.0 * torch.ones(V - L, H)
+        batch["last_hidden_BSH"].abs_()
+        draft.norm.weight.abs_()
+    anchors = anchors_for(batch)
+    hidden = torch.cat([batch["last_hidden_BSH"][0], torch.ones(1, H)])
+    assert (head.logits(hidden).argmax(-1) >= L).all()  # the trap is armed
+    _, metrics, grads = run(draft, head, batch, anchors)
+    ref_metrics, _ = reference(draft, head, batch, *anchors)
+    assert_close_metrics(metrics, ref_metrics, rtol=1e-9)
+    assert (grads["markov_head.markov_w2.weight"][L:] == 0).all()
+    assert grads["markov_head.markov_w2.weight"][:L].abs().max() > 0
+
+
+def test_no_grad_evaluation_gives_the_same_metrics():
+    draft, head = make_models()
+    batch = make_batch()
+    anchors = anchors_for(batch)
+    _, metrics, _ = run(draft, head, batch, anchors)
+    with torch.no_grad():
+        out = compute_loss_at(
+            draft, head, **batch, anchors_BN=anchors[0], block_valid_BN=anchors[1], obj=OBJ
+        )
+    assert out.loss.grad_fn is None
+    assert_close_metrics(out.metrics, metrics, rtol=1e-6)
+
+
+def test_no_valid_block_gives_zero_loss_and_zero_grads_everywhere():
+    """A micro-batch (or rank) without any eligible anchor still takes part in backward:
+    every parameter gets a gradient of exactly zero."""
+    draft, head = make_models()
+    batch = {k: v[2:3] for k, v in make_batch().items()}
+    out = compute_loss(draft, head, **batch, obj=OBJ, generator=torch.Generator())
+    out.loss.backward()
+    assert float(out.loss.detach()) == 0.0 and float(out.metrics["sequences_skipped"]) == 1.0
+    assert float(out.metrics["valid_blocks"]) == 0.0
+    for name, p in draft.named_parameters():
+        assert p.grad is not None and (p.grad == 0).all(), name
+
+
+def test_gradient_accumulation_weights_micro_steps_equally():
+    """Documented semantics: each micro-step is its own pooled mean; the window gradient is
+    the mean of the micro-steps' gradients ((loss / accum).backward() per micro-step)."""
+    draft, head = make_models()
+    draft, head, batch = to64(draft, head, make_batch())
+    steps = [{k: v[i : i + 1] for k, v in batch.items()} for i in (0, 3)]  # 3 vs 6 blocks
+    anchors = [anchors_for(s) for s in steps]
+    refs = [reference(draft, head, s, *a)[1] for s, a in zip(steps, anchors, strict=True)]
+    draft.zero_grad(set_to_none=True)
+    for s, a in zip(steps, anchors, strict=True):
+        out = compute_loss_at(draft, head, **s, anchors_BN=a[0], block_valid_BN=a[1], obj=OBJ)
+        (out.loss / len(steps)).backward()
+    for name, p in draft.named_parameters():
+        torch.testing.assert_close(
+            p.grad, (refs[0][name] + refs[1][name]) / 2, rtol=1e-9, atol=1e-12, msg=name
+        )
+
+
+def test_one_backward_fires_each_parameter_hook_once_and_saves_nothing_vocab_sized():
+    """DeepSpeed/DDP reduce gradients from post-accumulate hooks: exactly one per parameter
+    per backward. Nothing [.., V] (or [.., L]) is saved for backward."""
+    draft, head = make_models()
+    batch = make_batch()
+    anchors = anchors_for(batch)
+    fired = {n: 0 for n, _ in draft.named_parameters()}
+    for n, p in draft.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _p, n=n: fired.__setitem__(n, fired[n] + 1))
+    weights = {t.untyped_storage().data_ptr() for t in [*draft.parameters(), *head.buffers()]}
+    saved_shapes = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:  # views of weights cost nothing
+            saved_shapes.append(tuple(t.shape))
+        return t
+
+    obj = ObjectiveRecipe(**{**OBJ.__dict__, "chunk_size": 2})
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = compute_loss_at(
+            draft, head, **batch, anchors_BN=anchors[0], block_valid_BN=anchors[1], obj=obj
+        )
+    out.loss.backward()
+    assert set(fired.values()) == {1}
+    # logits, softmaxes and their gradients would end in V or L
+    assert saved_shapes and all(s[-1:] not in ((V,), (L,)) for s in saved_shapes)
+
+
+# --------------------------------------------------------------------------- anchors
+
+
+def test_sampler_takes_only_eligible_positions_without_duplicates():
+    mask = torch.tensor(
+        [
+            [0, 1, 1, 1, 0, 1, 1, 0, 1, 0, 1, 1],
+            [0, 1, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0],
+            [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1],
+        ]
+    )
+    eligible = [{1, 2, 5, 10}, set(), set(range(11))]
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 3, 4, 11, 20):
+        for _ in range(20):
+            anchors, valid = sample_anchors(mask, n, g)
+            assert anchors.shape == valid.shape == (3, n)
+            for b in range(3):
+                picked = anchors[b][valid[b]].tolist()
+                assert len(picked) == len(set(picked)) == min(n, len(eligible[b]))
+                assert set(picked) <= eligible[b]
+                assert valid[b].tolist() == sorted(valid[b].tolist(), reverse=True)
+
+
+def test_sampler_is_uniform_over_subsets():
+    """Chi-square over the 10 possible 3-subsets of 5 eligible positions: each must be
+    equally likely (a sampler biased towards early or late positions fails)."""
+    mask = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 1, 1, 0]]).expand(30000, -1)  # eligible 1,2,5,6,7
+    eligible = [1, 2, 5, 6, 7]
+    anchors, valid = sample_anchors(mask, 3, torch.Generator().manual_seed(123))
+    assert valid.all()
+    subsets = torch.sort(anchors, 1).values
+    codes = (subsets * torch.tensor([100, 10, 1])).sum(1)
+    counts = torch.bincount(codes, minlength=1000).double()
+    cells = [a * 100 + b * 10 + c for a, b, c in itertools.combinations(eligible, 3)]
+    observed = counts[cells]
+    assert observed.sum() == 30000
+    expected = 30000 / len(cells)
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    assert chi2 < 27.88  # chi-square, 9 degrees of freedom, p = 0.001
