@@ -46,8 +46,14 @@ def _meta(recipe, world=2, version=ck.FORMAT_VERSION):
 
 def test_compatible_resume_allows_logging_and_path_changes(tmp_path):
     a = recipe_from_dict({})
-    b = recipe_from_dict({"train": {"log_interval": 3}, "checkpoint": {"keep_last": 9},
-                          "target": {"prefetch": 5}, "tracking": {"run_name": "x"}})
+    b = recipe_from_dict(
+        {
+            "train": {"log_interval": 3},
+            "checkpoint": {"keep_last": 9},
+            "target": {"prefetch": 5},
+            "tracking": {"run_name": "x"},
+        }
+    )
     ck.check_compatible(_meta(a), b, 2, tmp_path)
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import sys
+import types
 
 import pytest
 import torch
@@ -345,6 +347,10 @@ def test_no_grad_evaluation_gives_the_same_metrics():
         )
     assert out.loss.grad_fn is None
     assert_close_metrics(out.metrics, metrics, rtol=1e-6)
+    logged = out.log_dict()
+    assert logged["tau"] == pytest.approx(float(metrics["tau"]), rel=1e-6)
+    assert [logged[f"alpha/{k}"] for k in range(G)] == pytest.approx(metrics["alpha"].tolist())
+    assert all(isinstance(v, float) for v in logged.values())
 
 
 def test_no_valid_block_gives_zero_loss_and_zero_grads_everywhere():
@@ -446,3 +452,42 @@ def test_sampler_is_uniform_over_subsets():
     expected = 30000 / len(cells)
     chi2 = float(((observed - expected) ** 2 / expected).sum())
     assert chi2 < 27.88  # chi-square, 9 degrees of freedom, p = 0.001
+
+
+def test_bfloat16_draft_and_head_train_close_to_float32():
+    """bf16 weights and features: softmaxes still run in fp32; loss and gradients stay close."""
+    draft, head = make_models()
+    batch = make_batch()
+    anchors = anchors_for(batch)
+    loss32, _, grads32 = run(draft, head, batch, anchors)
+    d16 = copy.deepcopy(draft).bfloat16()
+    h16 = FrozenHead(head.embed_weight.bfloat16(), head.lm_head_weight.bfloat16(), L, MUP)
+    b16 = {k: v.bfloat16() if v.is_floating_point() else v for k, v in batch.items()}
+    loss16, metrics16, grads16 = run(d16, h16, b16, anchors)
+    assert loss16.dtype == torch.float32 and metrics16["alpha"].dtype == torch.float64
+    assert float(loss16) == pytest.approx(float(loss32), rel=2e-2)
+    for name, g in grads32.items():
+        assert grads16[name].dtype == torch.bfloat16
+        cos = F.cosine_similarity(grads16[name].double().flatten(), g.double().flatten(), dim=0)
+        assert cos > 0.98, name
+
+
+def test_bench_dispatch_reports_a_missing_benchmark(monkeypatch, capsys):
+    from specforge_dspark import bench
+
+    calls = []
+    fake = types.SimpleNamespace(bench_main=lambda argv: calls.append(argv) or 0)
+    monkeypatch.setitem(sys.modules, "fake_bench_module", fake)
+    monkeypatch.setattr(
+        bench,
+        "BENCHES",
+        {
+            "absent": ("specforge_dspark.no_such_module", "bench_main"),
+            "here": ("fake_bench_module", "bench_main"),
+        },
+    )
+    assert bench.main(["absent"]) == 1
+    assert "bench absent: not available (specforge_dspark.no_such_module" in capsys.readouterr().out
+    assert bench.main(["here", "--x", "1"]) == 0 and calls == [["--x", "1"]]
+    assert bench.main(["all"]) == 1 and calls[-1] == []  # runs the others, reports the absent
+    assert bench.main(["nonsense"]) == 2

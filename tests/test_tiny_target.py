@@ -25,26 +25,34 @@ def test_loads_offline_with_auto_classes(tiny_target_dir, repo):
     assert r.draft.vocab_size == cfg.vocab_size and r.draft.hidden_size == cfg.hidden_size
     assert r.draft.num_target_layers == cfg.num_hidden_layers
     assert r.draft.mask_token_id == tok.mask_token_id
-    assert max(r.draft.target_layer_ids) <= cfg.num_hidden_layers - 2 and len(
-        r.draft.target_layer_ids) >= 2
+    assert (
+        max(r.draft.target_layer_ids) <= cfg.num_hidden_layers - 2
+        and len(r.draft.target_layer_ids) >= 2
+    )
 
 
 def test_chat_template_and_generation(tiny_target_dir):
     tok = AutoTokenizer.from_pretrained(tiny_target_dir)
-    msgs = [{"role": "user", "content": "How many apples?"},
-            {"role": "assistant", "content": "Three apples."}]
+    msgs = [
+        {"role": "user", "content": "How many apples?"},
+        {"role": "assistant", "content": "Three apples."},
+    ]
     text = tok.apply_chat_template(msgs, tokenize=False)
-    assert text == ("<|im_start|>user\nHow many apples?<|im_end|>\n"
-                    "<|im_start|>assistant\nThree apples.<|im_end|>\n")
-    prompt = tok.apply_chat_template(msgs[:1], add_generation_prompt=True, tokenize=False,
-                                     enable_thinking=False)
+    assert text == (
+        "<|im_start|>user\nHow many apples?<|im_end|>\n"
+        "<|im_start|>assistant\nThree apples.<|im_end|>\n"
+    )
+    prompt = tok.apply_chat_template(
+        msgs[:1], add_generation_prompt=True, tokenize=False, enable_thinking=False
+    )
     assert prompt.endswith("<|im_start|>assistant\n<think></think>")
     model = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
-    ids = tok.apply_chat_template(msgs[:1], add_generation_prompt=True, return_tensors="pt",
-                                  return_dict=False)
+    ids = tok.apply_chat_template(
+        msgs[:1], add_generation_prompt=True, return_tensors="pt", return_dict=False
+    )
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=12, do_sample=False)
-    words = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    words = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert sum(c.isalpha() for c in words) > 10  # text-like after pre-training, not byte noise
 
 
