@@ -17,23 +17,10 @@ from specforge_dspark.frozen_head import FrozenHead, load_frozen_head
 from specforge_dspark.model import DSPARK_KEYS, DSparkConfig, DSparkDraft, build_visibility_mask
 from specforge_dspark.objective import build_blocks
 from specforge_dspark.recipe import DraftRecipe, Recipe
+from tests.helpers import TINY_DRAFT
 from tests.sglang_shim import SglangUnavailable, import_sglang
 
-TINY = dict(
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-    vocab_size=72,
-    block_size=3,
-    target_layer_ids=[0, 2],
-    num_target_layers=4,
-    mask_token_id=65,  # in a padded row: fine for the embedding
-    markov_rank=6,
-    rope_theta=500.0,
-)
+TINY = {**TINY_DRAFT, "vocab_size": 72, "mask_token_id": 65}  # mask in a padded row
 
 
 def trained(cfg: DSparkConfig, seed: int = 0) -> DSparkDraft:

@@ -17,25 +17,11 @@ from specforge_dspark.model import (
     build_visibility_mask,
 )
 from specforge_dspark.recipe import DraftRecipe
+from tests.helpers import TINY_DRAFT
 
 
 def tiny_config(**over) -> DSparkConfig:
-    base = dict(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=48,
-        vocab_size=50,
-        block_size=3,
-        target_layer_ids=[0, 2],
-        num_target_layers=4,
-        mask_token_id=7,
-        markov_rank=6,
-        rope_theta=500.0,
-    )
-    return DSparkConfig(**{**base, **over})
+    return DSparkConfig(**{**TINY_DRAFT, **over})
 
 
 def randomized(cfg: DSparkConfig, seed: int = 0) -> DSparkDraft:

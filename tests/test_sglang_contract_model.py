@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from specforge_dspark.model import DSparkConfig, DSparkDraft, build_visibility_mask
 
+from .helpers import TINY_DRAFT
 from .sglang_shim import SglangUnavailable, import_sglang
 
 A, C, E, H = 4, 2, 8, 32
@@ -38,22 +39,9 @@ def sgl():
 
 
 def tiny_config(markov_head_type: str = "vanilla") -> DSparkConfig:
-    return DSparkConfig(
-        hidden_size=H,
-        num_hidden_layers=2,
-        num_attention_heads=A,
-        num_key_value_heads=C,
-        head_dim=E,
-        intermediate_size=48,
-        vocab_size=50,
-        block_size=3,
-        target_layer_ids=[0, 2],
-        num_target_layers=4,
-        mask_token_id=7,
-        markov_rank=6,
-        markov_head_type=markov_head_type,
-        rope_theta=500.0,
-    )
+    cfg = DSparkConfig(**{**TINY_DRAFT, "markov_head_type": markov_head_type})
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (H, A, C)
+    return cfg
 
 
 def exported(tmp_path, markov_head_type: str) -> DSparkDraft:
