@@ -109,6 +109,7 @@ class Run:
     engine: object
     head: object
     dataset: object
+    eval_set: object
     state: object
     micro_per_epoch: int
     total_steps: int
@@ -191,6 +192,13 @@ def build(recipe: Recipe, resume: str | None) -> Run:
         checkpoint.check_saved(resume_path, recipe, world)
     torch.manual_seed(recipe.train.seed)
     dataset = _rank0_first(lambda: prepare_dataset(recipe, split="train"))
+    eval_set = None
+    if recipe.train.eval_interval > 0:
+        eval_set = _rank0_first(lambda: prepare_dataset(recipe, split="eval"))
+        if len(eval_set) < world:
+            raise ValueError(
+                f"data.eval_files: {len(eval_set)} prepared rows, fewer than the {world} ranks"
+            )
     t = recipe.train
     micro_per_epoch = len(dataset) // (world * t.micro_batch_size)
     if micro_per_epoch < t.grad_accum:
@@ -226,7 +234,18 @@ def build(recipe: Recipe, resume: str | None) -> Run:
         if rank == 0:
             print(f"resumed from {resume_path} at step {state.step}", flush=True)
     return Run(
-        recipe, rank, world, device, engine, head, dataset, state, micro_per_epoch, total, dirs
+        recipe,
+        rank,
+        world,
+        device,
+        engine,
+        head,
+        dataset,
+        eval_set,
+        state,
+        micro_per_epoch,
+        total,
+        dirs,
     )
 
 
@@ -258,15 +277,21 @@ def _rank0_first(fn):
 # --------------------------------------------------------------------------- data order
 
 
+EVAL_ROWS = 32  # teacher-forced eval: the first rows of data.eval_files, split over ranks
+EVAL_ID = 1 << 40  # eval samples travel the same stream, told apart by their ids
+
+
 def batches(run: Run, start_micro: int):
     """Micro-batches of this rank's shard from global micro step `start_micro` onwards.
 
     Epoch e uses the permutation seeded by (seed, e); rank r takes every world-th row;
     the order depends only on the recipe and world size, so a resume continues it exactly.
+    Every train.eval_interval steps the eval rows follow (ids >= EVAL_ID), one per batch.
     """
     from specforge_dspark.target.features import Sample
 
     t, n = run.recipe.train, len(run.dataset)
+    eval_every = t.eval_interval * t.grad_accum
     g = start_micro
     while True:
         epoch, i = divmod(g, run.micro_per_epoch)
@@ -275,12 +300,20 @@ def batches(run: Run, start_micro: int):
         for j in range(i, run.micro_per_epoch):
             rows = shard[j * t.micro_batch_size : (j + 1) * t.micro_batch_size].tolist()
             yield [_sample(run.dataset[r], Sample) for r in rows]
-        g = (epoch + 1) * run.micro_per_epoch
+            g += 1
+            if eval_every and g % eval_every == 0:
+                for r in _eval_rows(run):
+                    yield [_sample(run.eval_set[r], Sample, id_base=EVAL_ID)]
 
 
-def _sample(row: dict, sample_cls):
+def _eval_rows(run: Run) -> range:
+    n = min(len(run.eval_set), EVAL_ROWS) // run.world * run.world  # same count on every rank
+    return range(run.rank, n, run.world)
+
+
+def _sample(row: dict, sample_cls, id_base: int = 0):
     return sample_cls(
-        sample_id=int(row["sample_id"]),
+        sample_id=id_base + int(row["sample_id"]),
         input_ids=torch.tensor(row["input_ids"], dtype=torch.long),
         loss_mask=torch.tensor(row["loss_mask"], dtype=torch.long),
     )
@@ -314,6 +347,25 @@ def train_step(run: Run, feats, micro_step: int):
     return out
 
 
+@torch.no_grad()
+def eval_step(run: Run, feats, index: int) -> dict:
+    """Teacher-forced metrics of one eval batch (fixed anchors: seeded by its index)."""
+    from specforge_dspark.objective import compute_loss
+
+    dev = run.device
+    out = compute_loss(
+        run.engine.module,
+        run.head,
+        feats.input_ids.to(dev),
+        feats.loss_mask.to(dev),
+        feats.aux_hidden.to(dev),
+        feats.last_hidden.to(dev),
+        run.recipe.objective,
+        torch.Generator().manual_seed(index),
+    )
+    return out.log_dict()
+
+
 def train(run: Run, stop_at_step: int = 0) -> None:
     from specforge_dspark import checkpoint
     from specforge_dspark.export import export_checkpoint
@@ -327,6 +379,7 @@ def train(run: Run, stop_at_step: int = 0) -> None:
         f"{run.micro_per_epoch} micro-batches per rank per epoch"
     )
     window: list = []
+    evals: list = []
     t_start, start_step = time.time(), state.step
     t_last, wait_last, tokens_last = time.time(), 0.0, state.tokens
     stream = FeatureStream(r, rank=run.rank, world_size=run.world)
@@ -334,6 +387,14 @@ def train(run: Run, stop_at_step: int = 0) -> None:
         for feats in stream.iterate(batches(run, state.micro_step)):
             if state.step >= run.total_steps:
                 break
+            if feats.sample_ids[0] >= EVAL_ID:
+                evals.append(eval_step(run, feats, len(evals)))
+                if len(evals) == len(_eval_rows(run)):
+                    tracker.log(
+                        state.step, {f"eval/{k}": v for k, v in _reduce_metrics(evals).items()}
+                    )
+                    evals = []
+                continue
             out = train_step(run, feats, state.micro_step)
             boundary = eng.is_gradient_accumulation_boundary()
             eng.step()

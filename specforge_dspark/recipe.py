@@ -442,6 +442,10 @@ def validate(r: Recipe) -> list[str]:
     need(t.grad_accum >= 1, "train.grad_accum must be >= 1")
     need(t.log_interval >= 1, "train.log_interval must be >= 1")
     need(t.eval_interval >= 0, "train.eval_interval must be >= 0")
+    need(
+        t.eval_interval == 0 or bool(r.data.eval_files),
+        "train.eval_interval > 0 needs data.eval_files (set one or set the interval to 0)",
+    )
 
     need(r.dist.zero_stage in (0, 1, 2, 3), f"dist.zero_stage must be 0-3, got {r.dist.zero_stage}")
     need(r.checkpoint.save_interval >= 1, "checkpoint.save_interval must be >= 1")

@@ -27,6 +27,7 @@ def _train(out: Path, *extra: str, env: dict | None = None, port: int = 29701):
         f"train.output_dir={out}",
         f"train.max_steps={STEPS}",
         "train.log_interval=1",
+        "train.eval_interval=2",
         "checkpoint.save_interval=1",
         "checkpoint.keep_last=3",
         "data.max_rows=48",
@@ -57,7 +58,7 @@ def _train(out: Path, *extra: str, env: dict | None = None, port: int = 29701):
 
 def _losses(out: Path) -> dict[int, float]:
     lines = (out / "metrics.jsonl").read_text().splitlines()
-    return {m["step"]: m["loss"] for m in map(json.loads, lines)}
+    return {m["step"]: m["loss"] for m in map(json.loads, lines) if "loss" in m}
 
 
 def _weights(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -113,8 +114,9 @@ def test_metrics_reach_trackio(runs, monkeypatch):
     monkeypatch.setattr(sqlite_storage, "TRACKIO_DIR", base / "full" / "trackio")
 
     logs = SQLiteStorage.get_logs("test_train", "tiny_cpu")
-    assert len(logs) == STEPS
-    last = logs[-1]
+    train_logs = [m for m in logs if "loss" in m]
+    assert len(train_logs) == STEPS
+    last = train_logs[-1]
     for key in (
         "loss",
         "ce",
@@ -131,3 +133,5 @@ def test_metrics_reach_trackio(runs, monkeypatch):
     ):
         assert key in last, key
     assert abs(last["loss"] - _losses(base / "full")[STEPS]) < 1e-6
+    evals = [m for m in logs if "eval/loss" in m]  # train.eval_interval=2: after step 2
+    assert len(evals) == 1 and all(k in evals[0] for k in ("eval/tau", "eval/alpha/0"))
