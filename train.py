@@ -328,21 +328,26 @@ def anchor_generator(run: Run, micro_step: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed % (2**63))
 
 
-def train_step(run: Run, feats, micro_step: int):
-    """Forward + backward of one micro-batch; returns the objective's output."""
+def objective(run: Run, feats, generator: torch.Generator):
+    """The DSpark loss and metrics of one batch of features (see objective.py)."""
     from specforge_dspark.objective import compute_loss
 
-    dev = run.device
-    out = compute_loss(
+    f = feats.to(run.device)
+    return compute_loss(
         run.engine.module,
         run.head,
-        feats.input_ids.to(dev),
-        feats.loss_mask.to(dev),
-        feats.aux_hidden.to(dev),
-        feats.last_hidden.to(dev),
+        f.input_ids,
+        f.loss_mask,
+        f.aux_hidden,
+        f.last_hidden,
         run.recipe.objective,
-        anchor_generator(run, micro_step),
+        generator,
     )
+
+
+def train_step(run: Run, feats, micro_step: int):
+    """Forward + backward of one micro-batch; returns the objective's output."""
+    out = objective(run, feats, anchor_generator(run, micro_step))
     run.engine.backward(out.loss)
     return out
 
@@ -350,20 +355,7 @@ def train_step(run: Run, feats, micro_step: int):
 @torch.no_grad()
 def eval_step(run: Run, feats, index: int) -> dict:
     """Teacher-forced metrics of one eval batch (fixed anchors: seeded by its index)."""
-    from specforge_dspark.objective import compute_loss
-
-    dev = run.device
-    out = compute_loss(
-        run.engine.module,
-        run.head,
-        feats.input_ids.to(dev),
-        feats.loss_mask.to(dev),
-        feats.aux_hidden.to(dev),
-        feats.last_hidden.to(dev),
-        run.recipe.objective,
-        torch.Generator().manual_seed(index),
-    )
-    return out.log_dict()
+    return objective(run, feats, torch.Generator().manual_seed(index)).log_dict()
 
 
 def train(run: Run, stop_at_step: int = 0) -> None:
