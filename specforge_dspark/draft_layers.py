@@ -1,0 +1,189 @@
+"""Building blocks of the DSpark draft network (torch only); `model.py` assembles them.
+
+Each block matches the SGLang 0.5.23 module it is served by (see model.py's docstring
+for the files checked). Shape legend as in model.py.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from specforge_dspark.model import DSparkConfig
+
+
+class RMSNorm(nn.Module):
+    """SGLang `RMSNorm.forward_native`: statistics and weight multiply in (at least) fp32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 in exact tests
+        xw = x.to(wide)
+        xw = xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xw * self.weight.to(wide)).to(x.dtype)
+
+
+def rope_tables(
+    pos_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin `[B, T, E/2]` at absolute positions, as SGLang's fp32 cos_sin_cache rows
+    (fp64 when the model runs in fp64)."""
+    wide = torch.promote_types(dtype, torch.float32)
+    exponent = torch.arange(0, head_dim, 2, device=pos_BT.device, dtype=wide) / head_dim
+    angle_BTe = pos_BT.to(wide)[..., None] * (1.0 / theta**exponent)
+    return angle_BTe.cos(), angle_BTe.sin()
+
+
+def apply_rope(x_BTnE: torch.Tensor, cos_BTe: torch.Tensor, sin_BTe: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotation of the two halves of each head (cos/sin cast to x's dtype)."""
+    cos, sin = cos_BTe[:, :, None].to(x_BTnE.dtype), sin_BTe[:, :, None].to(x_BTnE.dtype)
+    x1, x2 = x_BTnE.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    """Qwen3 GQA attention with KV injection: block queries over [context ; block] keys."""
+
+    def __init__(self, cfg: DSparkConfig) -> None:
+        super().__init__()
+        H, A, C, E = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = A, C, E
+        self.q_proj = nn.Linear(H, A * E, bias=False)
+        self.k_proj = nn.Linear(H, C * E, bias=False)
+        self.v_proj = nn.Linear(H, C * E, bias=False)
+        self.o_proj = nn.Linear(A * E, H, bias=False)
+        self.q_norm = RMSNorm(E, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(E, cfg.rms_norm_eps)
+
+    def _keys_values(self, x_BTH: torch.Tensor, rope: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, _ = x_BTH.shape
+        k_BTCE = apply_rope(self.k_norm(self.k_proj(x_BTH).view(B, T, -1, self.head_dim)), *rope)
+        return k_BTCE, self.v_proj(x_BTH).view(B, T, -1, self.head_dim)
+
+    def forward(
+        self,
+        x_BQH: torch.Tensor,
+        ctx_BSH: torch.Tensor,
+        rope_ctx: tuple,
+        rope_blk: tuple,
+        visible_B1QK: torch.Tensor,
+        empty_B1Q1: torch.Tensor,
+    ) -> torch.Tensor:
+        B, Q, _ = x_BQH.shape
+        q_BQAE = apply_rope(
+            self.q_norm(self.q_proj(x_BQH).view(B, Q, -1, self.head_dim)), *rope_blk
+        )
+        k_ctx, v_ctx = self._keys_values(ctx_BSH, rope_ctx)
+        k_blk, v_blk = self._keys_values(x_BQH, rope_blk)
+        group = self.heads // self.kv_heads
+        # [B, A, K, E]: the KV heads repeated for their query heads (h uses h // group),
+        # small next to the [Q, K] mask, and it keeps the fused SDPA kernels eligible.
+        k_BAKE = torch.cat((k_ctx, k_blk), 1).transpose(1, 2).repeat_interleave(group, 1)
+        v_BAKE = torch.cat((v_ctx, v_blk), 1).transpose(1, 2).repeat_interleave(group, 1)
+        o_BAQE = F.scaled_dot_product_attention(
+            q_BQAE.transpose(1, 2), k_BAKE, v_BAKE, attn_mask=visible_B1QK
+        )
+        o_BAQE = o_BAQE.masked_fill(empty_B1Q1, 0.0)  # rows that may see nothing attend to 0
+        return self.o_proj(o_BAQE.transpose(1, 2).reshape(B, Q, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DSparkConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x_BQH: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x_BQH)) * self.up_proj(x_BQH))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DSparkConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x_BQH: torch.Tensor, ctx_BSH: torch.Tensor, *attn_args) -> torch.Tensor:
+        # The context enters k_proj/v_proj as it is: SGLang's KV injection skips input_layernorm.
+        x_BQH = x_BQH + self.self_attn(self.input_layernorm(x_BQH), ctx_BSH, *attn_args)
+        return x_BQH + self.mlp(self.post_attention_layernorm(x_BQH))
+
+
+class MarkovHead(nn.Module):
+    """Bias on a slot's logits from the previous token (SGLang VanillaMarkov / Gated / RNN).
+
+    vanilla: z = W1[prev]; gated: z = sigmoid(gate_proj([h ; W1[prev]])) * W1[prev];
+    rnn: [g, c, o] = joint_proj([s ; W1[prev] ; h]), z = tanh(o),
+    s' = sigmoid(g) s + (1 - sigmoid(g)) tanh(c), with s = 0 before slot 0. The bias is W2 z.
+    """
+
+    def __init__(self, cfg: DSparkConfig) -> None:
+        super().__init__()
+        H, V, R = cfg.hidden_size, cfg.vocab_size, cfg.markov_rank
+        self.kind = cfg.markov_head_type
+        self.markov_w1 = nn.Embedding(V, R)
+        self.markov_w2 = nn.Linear(R, V, bias=False)
+        if self.kind == "gated":
+            self.gate_proj = nn.Linear(H + R, R)
+        if self.kind == "rnn":
+            self.joint_proj = nn.Linear(2 * R + H, 3 * R)
+
+    def init_state(self, h_TH: torch.Tensor) -> torch.Tensor | None:
+        if self.kind != "rnn":
+            return None
+        return h_TH.new_zeros(*h_TH.shape[:-1], self.markov_w1.embedding_dim)
+
+    def step(
+        self, e_TR: torch.Tensor, h_TH: torch.Tensor, state_TR: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Latent z of one slot from its prev-token embedding e = W1[prev] and hidden h."""
+        if self.kind == "vanilla":
+            return e_TR, state_TR
+        if self.kind == "gated":
+            gate_TR = torch.sigmoid(self.gate_proj(torch.cat((h_TH, e_TR.to(h_TH.dtype)), -1)))
+            return gate_TR.to(e_TR.dtype) * e_TR, state_TR
+        gate, cand, out = self.joint_proj(torch.cat((state_TR, e_TR, h_TH), -1)).chunk(3, -1)
+        gate = torch.sigmoid(gate)
+        return torch.tanh(out), gate * state_TR + (1.0 - gate) * torch.tanh(cand)
+
+    def latents(
+        self, prev_BNG: torch.Tensor, h_BNGH: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced (W1[prev], z) for every slot: `[B, N, G, R]` each."""
+        e_BNGR = self.markov_w1(prev_BNG)
+        if self.kind != "rnn":
+            return e_BNGR, self.step(e_BNGR, h_BNGH, None)[0]
+        state, z = self.init_state(h_BNGH[:, :, 0]), []
+        for k in range(prev_BNG.shape[-1]):
+            z_k, state = self.step(e_BNGR[:, :, k], h_BNGH[:, :, k], state)
+            z.append(z_k)
+        return e_BNGR, torch.stack(z, dim=2)
+
+    def bias(self, z_TR: torch.Tensor, vocab: int) -> torch.Tensor:
+        """W2 z over the first `vocab` columns (the logical vocab when the caller crops)."""
+        return F.linear(z_TR, self.markov_w2.weight[:vocab])
+
+
+class ConfidenceHead(nn.Module):
+    """Acceptance logit of each slot from [h ; W1[prev]] (or h alone)."""
+
+    def __init__(self, cfg: DSparkConfig) -> None:
+        super().__init__()
+        self.with_markov = cfg.confidence_head_with_markov
+        extra = cfg.markov_rank if self.with_markov else 0
+        self.proj = nn.Linear(cfg.hidden_size + extra, 1)
+
+    def forward(self, h_TH: torch.Tensor, e_TR: torch.Tensor) -> torch.Tensor:
+        feats = torch.cat((h_TH, e_TR.to(h_TH.dtype)), -1) if self.with_markov else h_TH
+        return self.proj(feats).squeeze(-1)
