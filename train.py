@@ -191,10 +191,10 @@ def build(recipe: Recipe, resume: str | None) -> Run:
     if resume_path is not None:  # fail fast, before data and engines are built
         checkpoint.check_saved(resume_path, recipe, world)
     torch.manual_seed(recipe.train.seed)
-    dataset = _rank0_first(lambda: prepare_dataset(recipe, split="train"))
+    dataset = prepare_dataset(recipe, split="train")  # cached; other ranks wait on its lock
     eval_set = None
     if recipe.train.eval_interval > 0:
-        eval_set = _rank0_first(lambda: prepare_dataset(recipe, split="eval"))
+        eval_set = prepare_dataset(recipe, split="eval")
         if len(eval_set) < world:
             raise ValueError(
                 f"data.eval_files: {len(eval_set)} prepared rows, fewer than the {world} ranks"
@@ -261,17 +261,6 @@ def _check_head_matches(recipe: Recipe, head) -> None:
             f"draft.vocab_size={d.vocab_size} but the target's LM head at {recipe.target.path} "
             f"has {head.vocab_rows} rows"
         )
-
-
-def _rank0_first(fn):
-    """Run fn on rank 0 first (it fills the cache), then on the other ranks."""
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    out = fn() if rank == 0 else None
-    if dist.is_initialized():
-        dist.barrier()
-    return out if rank == 0 else fn()
 
 
 # --------------------------------------------------------------------------- data order
