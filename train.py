@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -114,6 +115,9 @@ class Run:
     micro_per_epoch: int
     total_steps: int
     dirs: dict
+    fingerprint: dict
+    """The target's features and the training data's content (checkpoint.py): saved with
+    every checkpoint, checked on resume."""
 
 
 def init_distributed(recipe: Recipe) -> tuple[int, int, torch.device]:
@@ -190,8 +194,19 @@ def build(recipe: Recipe, resume: str | None) -> Run:
     resume_path = checkpoint.resolve_resume(resume, dirs["checkpoint"])
     if resume_path is not None:  # fail fast, before data and engines are built
         checkpoint.check_saved(resume_path, recipe, world)
+    if recipe.target.tiny_arch:  # embedded recipes: every rank waits on the build lock
+        from specforge_dspark.tiny_target import build as build_tiny_target
+
+        quiet = (lambda *a: None) if rank else print
+        build_tiny_target(Path(recipe.target.path), arch=recipe.target.tiny_arch, log=quiet)
     torch.manual_seed(recipe.train.seed)
     dataset = prepare_dataset(recipe, split="train")  # cached; other ranks wait on its lock
+    fingerprint = {
+        "features": checkpoint.features_fingerprint(recipe),
+        "data": checkpoint.data_fingerprint(dataset),
+    }
+    if resume_path is not None:  # the same target and data, before engines are built
+        checkpoint.check_saved(resume_path, recipe, world, fingerprint)
     eval_set = None
     if recipe.train.eval_interval > 0:
         eval_set = prepare_dataset(recipe, split="eval")
@@ -230,7 +245,7 @@ def build(recipe: Recipe, resume: str | None) -> Run:
     )
     state = checkpoint.TrainState()
     if resume_path is not None:
-        state = checkpoint.load(engine, resume_path, recipe)
+        state = checkpoint.load(engine, resume_path, recipe, fingerprint)
         if rank == 0:
             print(f"resumed from {resume_path} at step {state.step}", flush=True)
     return Run(
@@ -246,6 +261,7 @@ def build(recipe: Recipe, resume: str | None) -> Run:
         micro_per_epoch,
         total,
         dirs,
+        fingerprint,
     )
 
 
@@ -277,7 +293,7 @@ def batches(run: Run, start_micro: int):
     the order depends only on the recipe and world size, so a resume continues it exactly.
     Every train.eval_interval steps the eval rows follow (ids >= EVAL_ID), one per batch.
     """
-    from specforge_dspark.target.features import Sample
+    from specforge_dspark.engines.features import Sample
 
     t, n = run.recipe.train, len(run.dataset)
     eval_every = t.eval_interval * t.grad_accum
@@ -403,7 +419,7 @@ def train(run: Run, stop_at_step: int = 0) -> None:
             last = state.step == run.total_steps or state.step == stop_at_step
             if state.step % r.checkpoint.save_interval == 0 or last:
                 keep = r.checkpoint.keep_last
-                path = checkpoint.save(eng, run.dirs["checkpoint"], state, r, keep)
+                path = checkpoint.save(eng, run.dirs["checkpoint"], state, r, keep, run.fingerprint)
                 tracker.write(f"step {state.step}: saved {path}")
             if last:
                 break

@@ -26,13 +26,15 @@ from typing import Literal
 
 import torch
 
+from specforge_dspark.engines.features import AuxTap
+
 CacheMode = Literal["crop", "rerun"]
 
 
 @dataclass
 class Forward:
     next_tokens: list[int]  # [S] greedy token after each input position
-    aux_SD: torch.Tensor  # hidden_states[k+1] for k in layer_ids, concatenated
+    aux_SD: torch.Tensor  # the aux taps of layer_ids (AuxTap), concatenated
 
 
 class HFTarget:
@@ -50,6 +52,7 @@ class HFTarget:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.layer_ids = list(layer_ids)
+        self.tap = AuxTap(model, self.layer_ids)  # the engine's tap, per forward
         self.cache_mode = cache_mode
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.device = next(model.parameters()).device
@@ -72,25 +75,24 @@ class HFTarget:
         return cls(model, tok, layer_ids, cache_mode)
 
     @torch.inference_mode()
-    def _forward(self, ids: list[int], cache, hidden: bool) -> tuple[list[int], object]:
+    def _forward(self, ids: list[int], cache) -> list[int]:
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        out = self.model(
-            input_ids=x, past_key_values=cache, use_cache=True, output_hidden_states=hidden
-        )
+        out = self.model(input_ids=x, past_key_values=cache, use_cache=True)
         # the model's logits are already cropped to the logical vocabulary
-        tokens = out.logits[0].argmax(-1).tolist()
-        return tokens, out
+        return out.logits[0].argmax(-1).tolist()
 
-    def _aux(self, out) -> torch.Tensor:
-        hs = out.hidden_states
-        return torch.cat([hs[k + 1][0] for k in self.layer_ids], dim=-1)
+    def _forward_aux(self, ids: list[int], cache) -> Forward:
+        """Greedy tokens and aux features `[S, D]` of `ids` appended to `cache`."""
+        with self.tap:
+            tokens = self._forward(ids, cache)
+        return Forward(tokens, torch.cat(self.tap.taps(), dim=-1)[0])
 
     def prefill(self, ids: list[int]) -> Forward:
         """Start a new sequence; returns greedy tokens and aux features of `ids`."""
         from transformers import DynamicCache
 
         self._cache = DynamicCache(config=self.model.config)
-        tokens, out = self._forward(ids, self._cache, hidden=True)
+        fwd = self._forward_aux(ids, self._cache)
         if self.cache_mode == "crop":
             if not getattr(self._cache, "is_croppable", True):
                 raise ValueError(
@@ -99,14 +101,13 @@ class HFTarget:
                 )
             # after the prefill, so a long prompt is not recorded in full
             self._cache.activate_past_recording()
-        return Forward(tokens, self._aux(out))
+        return fwd
 
     def verify(self, ids: list[int]) -> Forward:
         """Append `ids` after the committed prefix (call `commit` afterwards)."""
         if self.cache_mode == "rerun":
             self._saved = copy.deepcopy(self._cache)
-        tokens, out = self._forward(ids, self._cache, hidden=True)
-        return Forward(tokens, self._aux(out))
+        return self._forward_aux(ids, self._cache)
 
     def commit(self, ids: list[int], n_keep: int) -> torch.Tensor | None:
         """Keep the first `n_keep` of the last verified `ids` in the cache.
@@ -118,8 +119,7 @@ class HFTarget:
             return None
         self._cache = self._saved
         self._saved = None
-        _, out = self._forward(ids[:n_keep], self._cache, hidden=True)
-        return self._aux(out)
+        return self._forward_aux(ids[:n_keep], self._cache).aux_SD
 
     def cache_length(self) -> int:
         return self._cache.get_seq_length()
@@ -130,11 +130,9 @@ class HFTarget:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
-        tokens, _ = self._forward(ids, cache, hidden=False)
-        out = [tokens[-1]]
+        out = [self._forward(ids, cache)[-1]]
         while len(out) < max_new_tokens and out[-1] not in self.eos_ids:
-            tokens, _ = self._forward(out[-1:], cache, hidden=False)
-            out.append(tokens[-1])
+            out.append(self._forward(out[-1:], cache)[-1])
         return out
 
 

@@ -42,7 +42,7 @@ import torch
 
 from specforge_dspark.recipe import recipe_from_dict
 from specforge_dspark.stream import FeatureStream
-from specforge_dspark.target.sglang import launch_args, validate_launch_args
+from specforge_dspark.engines.sglang import launch_args, validate_launch_args
 
 model, layers, tp, port, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 cfg = json.load(open(f"{model}/config.json"))

@@ -20,10 +20,15 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+from specforge_dspark.engines.features import (
+    Sample,
+    read_target_config,
+    read_target_dims,
+    tap_convention,
+)
+from specforge_dspark.engines.offline import ShardWriter, target_fingerprint
 from specforge_dspark.recipe import Recipe, load_recipe
 from specforge_dspark.stream import FeatureStream
-from specforge_dspark.target.features import Sample, read_target_dims
-from specforge_dspark.target.offline import ShardWriter, target_fingerprint
 
 
 def read_samples_jsonl(path: str | Path) -> Iterator[Sample]:
@@ -83,6 +88,7 @@ def capture(
         "weights_hash": target_fingerprint(hf.target.path),
         "hidden_size": dims.hidden_size,
         "num_layers": dims.num_layers,
+        "tap": tap_convention(read_target_config(hf.target.path)),
     }
     writer = ShardWriter(out, target, layer_ids, hf.target.dtype, shard_mb << 20)
     n = 0

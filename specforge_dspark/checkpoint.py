@@ -5,15 +5,21 @@ Layout of one checkpoint, `<checkpoint.dir>/step-<N>/`:
                                                                  optimizer, lr scheduler)
     rank<r>_state.pt      per rank: data cursor and torch / numpy / python RNG states
     train_state.json      rank 0: step, micro step, epoch, world size, format version,
-                          the full recipe and its hash
+                          the full recipe and its hash, and the run's fingerprint
     COMPLETE              written last, after every rank has finished writing
 
 A directory without COMPLETE does not count: `--resume auto` skips it, and a crash in
 the middle of a save leaves the previous checkpoint untouched.
+
+The fingerprint pins what the recipe alone does not: `features` (the target's files,
+quantization, dtype and aux tap convention: what the features ARE, whichever backend
+serves them) and `data` (the content of the prepared training rows). A resume that
+changes either is refused, naming the field.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -30,9 +36,12 @@ import torch.distributed as dist
 
 from specforge_dspark.recipe import Recipe
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: train_state.json holds the fingerprint
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+EDGE_BYTES = 1 << 20  # hashed at each end of a weight file: cheap for multi-GB shards
+DATA_COLUMNS = ("input_ids", "loss_mask")
+HASH_ROWS = 4096  # prepared rows per arrow batch while hashing the data
 
 # Recipe keys (dotted prefixes) that may differ on resume: they change where things are
 # written, how fast features arrive or what is logged, never the training math.
@@ -120,8 +129,85 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def check_compatible(saved: dict[str, Any], recipe: Recipe, world_size: int, path: Path) -> None:
-    """Refuse a resume that would not continue the same training; names the field."""
+def features_fingerprint(recipe: Recipe) -> dict[str, Any]:
+    """What the features are: target identity (config.json, and per weight file its size
+    and a hash of its safetensors header and first and last MiB), quantization, dtype and
+    the aux tap convention. The backend and device are not in it: they serve the same
+    features."""
+    root = Path(recipe.target.path)
+    config_file = root / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    tap = getattr(_features_module(), "tap_convention", None)
+    return _jsonable(
+        {
+            "target_config": _sha256(config_file.read_bytes()) if config_file.is_file() else None,
+            "target_weights": {p.name: _weight_file_digest(p) for p in _weight_files(root)},
+            "quantization": {
+                "config": config.get("quantization_config"),
+                "server_args": recipe.target.sglang.server_args.get("quantization"),
+            },
+            "dtype": recipe.target.dtype,
+            "tap_convention": "layer_output" if tap is None else tap(config),
+        }
+    )
+
+
+def data_fingerprint(dataset) -> dict[str, Any]:
+    """The training data's content: a hash over the prepared rows' input_ids and loss_mask
+    in row order (the prepare cache key hashes file sizes and mtimes, not contents)."""
+    h = hashlib.sha256()
+    for batch in dataset.with_format("arrow").iter(batch_size=HASH_ROWS):
+        for name in DATA_COLUMNS:
+            rows = batch.column(name).combine_chunks()  # a list array, one list per row
+            h.update(rows.value_lengths().to_numpy(zero_copy_only=False).tobytes())
+            h.update(rows.flatten().to_numpy(zero_copy_only=False).tobytes())
+    return {"rows": len(dataset), "content": h.hexdigest()[:16]}
+
+
+def _features_module():
+    from specforge_dspark.engines import features
+
+    return features
+
+
+def _weight_files(root: Path) -> list[Path]:
+    return sorted(root.glob("*.safetensors"))
+
+
+def _weight_file_digest(path: Path) -> str:
+    """`<size>:<hash of the safetensors header, the first and the last EDGE_BYTES>`."""
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")  # safetensors: u64 header length, header
+        h.update(f.read(min(n, size)))
+        f.seek(0)
+        h.update(f.read(EDGE_BYTES))
+        f.seek(max(size - EDGE_BYTES, 0))
+        h.update(f.read(EDGE_BYTES))
+    return f"{size}:{h.hexdigest()[:16]}"
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    """As it reads back from train_state.json (tuples become lists), so it compares equal."""
+    return json.loads(json.dumps(d, sort_keys=True, default=str))
+
+
+def check_compatible(
+    saved: dict[str, Any],
+    recipe: Recipe,
+    world_size: int,
+    path: Path,
+    fingerprint: dict[str, Any] | None = None,
+) -> None:
+    """Refuse a resume that would not continue the same training; names the field.
+
+    `fingerprint`: this run's {"features": ..., "data": ...} (`features_fingerprint`,
+    `data_fingerprint`); only the sections it holds are compared."""
     if saved.get("format_version") != FORMAT_VERSION:
         raise ResumeError(
             f"{path}: checkpoint format_version {saved.get('format_version')} != "
@@ -144,16 +230,32 @@ def check_compatible(saved: dict[str, Any], recipe: Recipe, world_size: int, pat
             f"{path}: the recipe changed in a way that alters training ({detail}). "
             "Resume with the original values or start a new run (another train.output_dir)."
         )
+    _check_fingerprint(saved.get("fingerprint") or {}, fingerprint or {}, path)
 
 
-def check_saved(path: Path, recipe: Recipe, world_size: int) -> None:
+def _check_fingerprint(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+    old = _flatten({k: saved.get(k) for k in current})
+    new = _flatten(current)
+    changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    if changed:
+        detail = "; ".join(f"{k} changed: {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
+        raise ResumeError(
+            f"{path}: the target's features or the training data differ from this "
+            f"checkpoint's ({detail}). Resume with the original target and data or start a "
+            "new run (another train.output_dir)."
+        )
+
+
+def check_saved(
+    path: Path, recipe: Recipe, world_size: int, fingerprint: dict[str, Any] | None = None
+) -> None:
     """`check_compatible` against the checkpoint at `path`."""
     meta_file = path / "train_state.json"
     try:
         meta = json.loads(meta_file.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ResumeError(f"{meta_file}: unreadable checkpoint metadata ({e})") from None
-    check_compatible(meta, recipe, world_size, path)
+    check_compatible(meta, recipe, world_size, path, fingerprint)
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -182,8 +284,16 @@ def set_rng_state(s: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def save(engine, root: Path, state: TrainState, recipe: Recipe, keep_last: int) -> Path:
-    """Collective: every rank calls it. Returns the step directory."""
+def save(
+    engine,
+    root: Path,
+    state: TrainState,
+    recipe: Recipe,
+    keep_last: int,
+    fingerprint: dict[str, Any],
+) -> Path:
+    """Collective: every rank calls it. Returns the step directory. `fingerprint`: see
+    `check_compatible`."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     path = step_dir(root, state.step)
@@ -202,6 +312,7 @@ def save(engine, root: Path, state: TrainState, recipe: Recipe, keep_last: int) 
             "world_size": world,
             "recipe_hash": recipe.section_hash(),
             "recipe": recipe.to_dict(),
+            "fingerprint": fingerprint,
             **asdict(state),
         }
         _atomic_write(path / "train_state.json", json.dumps(meta, indent=1).encode())
@@ -222,11 +333,12 @@ def prune(root: Path, keep_last: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def load(engine, path: Path, recipe: Recipe) -> TrainState:
-    """Collective: restore weights, optimizer, scheduler, RNG and data cursor from `path`."""
+def load(engine, path: Path, recipe: Recipe, fingerprint: dict[str, Any]) -> TrainState:
+    """Collective: restore weights, optimizer, scheduler, RNG and data cursor from `path`
+    (after `check_saved` with this run's `fingerprint`)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    check_saved(path, recipe, world)
+    check_saved(path, recipe, world, fingerprint)
     load_path, _ = engine.load_checkpoint(
         str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
     )

@@ -16,6 +16,17 @@ Conventions, checked against the installed SGLang 0.5.23 and transformers 5.19:
   serving engine: `embed(ids)` returns raw rows and `embed_norm` is never read.
 - muP: `logits = lm_head(h / logits_mup_width_multiplier)`, divided exactly once, as
   transformers' `InklingForCausalLM.forward` and SGLang's `compute_base_logits` do.
+- Teacher logits (`teacher_logits`) are what SGLang's Inkling serves: its config sets
+  `enable_lm_head_output_fp32`, so `LogitsProcessor._compute_lm_head` multiplies the bf16
+  hidden (already divided by muP) by the bf16 head with a float32 OUTPUT
+  (`torch.mm(..., out_dtype=torch.float32)` on CUDA), and `_get_logits` then applies
+  `final_logit_softcapping` (cap * tanh(z / cap), in float32; unset, 0 or negative = off)
+  to the logits cropped to the logical vocabulary (elementwise, so the crop order does not
+  matter). transformers' Inkling applies no softcap; a target config without the key
+  gets none either.
+- Draft base logits (`logits`) are what SGLang's DSpark draft computes:
+  `project_through_lm_head` (`models/dspark.py`), a plain matmul in the head's dtype, no
+  softcap.
 - Logical vocabulary: the LM head may have padded rows the target never emits.
   `unpadded_vocab_size` (transformers' Inkling config; SGLang's Inkling LogitsProcessor
   crops to it) when present, else the tokenizer's size when smaller, else all rows.
@@ -58,6 +69,7 @@ class FrozenHead(nn.Module):
         lm_head_VH: torch.Tensor,
         logical_vocab: int,
         mup_multiplier: float = 1.0,
+        logit_softcap: float | None = None,
     ) -> None:
         super().__init__()
         # Buffers, not parameters: never in an optimizer, never in a checkpoint.
@@ -67,6 +79,8 @@ class FrozenHead(nn.Module):
         self.vocab_rows = int(lm_head_VH.shape[0])
         self.hidden_size = int(lm_head_VH.shape[1])
         self.mup_multiplier = float(mup_multiplier)
+        # SGLang's LogitsProcessor: an unset, zero or negative cap means no softcap.
+        self.logit_softcap = float(logit_softcap) if logit_softcap and logit_softcap > 0 else None
         self.requires_grad_(False)
         self.eval()
 
@@ -75,10 +89,35 @@ class FrozenHead(nn.Module):
         return F.embedding(ids, self.embed_weight)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """`lm_head(h / mup)` over all `vocab_rows` columns `[..., V_rows]`."""
+        """Draft base logits `lm_head(h / mup)` over all `vocab_rows` columns `[..., V_rows]`,
+        in the head's dtype (SGLang's DSpark `project_through_lm_head`)."""
+        return F.linear(self._head_input(h), self.lm_head_weight)
+
+    def teacher_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The target's logits `[..., V_rows]` in (at least) float32, as SGLang's Inkling
+        serves them: `lm_head(h / mup)` with float32 output, then the softcap if set."""
+        z = _float32_out_linear(self._head_input(h), self.lm_head_weight)
+        if self.logit_softcap is not None:
+            z = self.logit_softcap * torch.tanh(z / self.logit_softcap)
+        return z
+
+    def _head_input(self, h: torch.Tensor) -> torch.Tensor:
+        """`h / mup` (in h's dtype, as SGLang divides the hidden) in the head's dtype."""
         if self.mup_multiplier != 1.0:
             h = h / self.mup_multiplier
-        return F.linear(h.to(self.lm_head_weight.dtype), self.lm_head_weight)
+        return h.to(self.lm_head_weight.dtype)
+
+
+def _float32_out_linear(x: torch.Tensor, w_VH: torch.Tensor) -> torch.Tensor:
+    """`x @ w.T` accumulated and returned in float32 (or wider): the low-precision inputs'
+    products are never rounded back to bf16. On CUDA `torch.mm(out_dtype=)` (SGLang's
+    kernel, no widened copy of the head); elsewhere the inputs are widened (exactly) first."""
+    if w_VH.dtype not in (torch.bfloat16, torch.float16):
+        return F.linear(x, w_VH)
+    if x.is_cuda:
+        z = torch.mm(x.reshape(-1, x.shape[-1]), w_VH.T, out_dtype=torch.float32)
+        return z.view(*x.shape[:-1], w_VH.shape[0])
+    return F.linear(x.float(), w_VH.float())
 
 
 def load_frozen_head(
@@ -111,6 +150,7 @@ def load_frozen_head(
         head,
         _logical_vocab(root, config, head.shape[0]),
         1.0 if mult is None else float(mult),
+        _config_value(config, "final_logit_softcapping"),
     )
 
 

@@ -12,7 +12,8 @@ Shape legend
   M  slots of one chunk (C * G)
 
 Slot convention (DSpark / SGLang): slot k of the block anchored at a predicts token a+k+1;
-its teacher is the target's LM head on last_hidden[a+k]; its Markov "previous" token is
+its teacher is the target's LM head on last_hidden[a+k] (`FrozenHead.teacher_logits`:
+float32 output and softcap, as the target serves them); its Markov "previous" token is
 x[a+k] (teacher forced).
 
 Normalisation and gradient accumulation
@@ -66,15 +67,17 @@ def sample_anchors(
     remaining columns are invalid (anchor 0, block_valid False). A sequence with no
     eligible position gets only invalid columns.
 
+    The keys are drawn on the CPU (`generator`, if given, is a CPU generator) and moved to
+    the mask's device, so the anchors are the same whatever device the batch is on.
+
     Returns anchors_BN (long) and block_valid_BN (bool), N = num_anchors.
     """
     B, S = loss_mask_BS.shape
-    device = loss_mask_BS.device
     supervised_BS = loss_mask_BS.bool()
     eligible_BT = supervised_BS[:, :-1] & supervised_BS[:, 1:]  # T = S - 1 candidate anchors
     T = eligible_BT.shape[1]
     # The k smallest of iid uniform keys over the eligible set form a uniform k-subset.
-    keys_BT = torch.rand(B, T, generator=generator, device=device)
+    keys_BT = torch.rand(B, T, generator=generator).to(loss_mask_BS.device)
     keys_BT = keys_BT.masked_fill(~eligible_BT, 2.0)
     take = min(num_anchors, T)
     keys_BK, order_BK = keys_BT.sort(dim=1)
@@ -267,6 +270,8 @@ class _FusedVocabLoss(torch.autograd.Function):
         f = torch.promote_types(h_XGH.dtype, torch.float32)
         stats_6XG = h_XGH.new_zeros((6, X, G), dtype=f)
         grad_h_XGH = torch.zeros_like(h_XGH) if plan.need_grads else None
+        # Parameter gradients are summed over the chunks in (at least) float32 and cast to
+        # the parameter's dtype once, in backward: a bf16 running sum would round each add.
         grad_P: list[Tensor | None] = [None] * len(params)
         for lo in range(0, X, plan.chunk):
             sl = slice(lo, min(lo + plan.chunk, X))
@@ -275,10 +280,11 @@ class _FusedVocabLoss(torch.autograd.Function):
                 grad_h_XGH[sl] = grads[0]
                 for i, g in enumerate(grads[1:]):
                     if g is not None:
-                        grad_P[i] = g if grad_P[i] is None else grad_P[i].add_(g)
+                        grad_P[i] = g.to(f) if grad_P[i] is None else grad_P[i].add_(g)
             del grads  # this chunk's parameter gradients: added, not kept into the next chunk
         loss = _weighted_terms(stats_6XG, plan.coef_XG, plan.obj)[0]
         ctx.grads = (grad_h_XGH, grad_P)
+        ctx.param_dtypes = [p.dtype for p in params]
         ctx.mark_non_differentiable(stats_6XG)
         return loss, stats_6XG
 
@@ -286,7 +292,10 @@ class _FusedVocabLoss(torch.autograd.Function):
     def backward(ctx, grad_loss: Tensor, _grad_stats: Tensor):
         grad_h_XGH, grad_P = ctx.grads
         del ctx.grads
-        scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in grad_P]
+        scaled = [
+            None if g is None else (g * grad_loss.to(g.dtype)).to(dtype)
+            for g, dtype in zip(grad_P, ctx.param_dtypes, strict=True)
+        ]
         return None, grad_h_XGH * grad_loss.to(grad_h_XGH.dtype), *scaled
 
 
@@ -306,7 +315,8 @@ def _vocab_chunk(
         logits_1CGL, conf_1CG = plan.draft.apply_heads(h_1CGH, base_1CGL, prev_1CG)
     del base_1CGL
     with torch.no_grad():
-        teacher_1CGL = head.logits(plan.teacher_h_XGH[sl].unsqueeze(0))[..., :L]
+        # float32 output and softcap: the target's served logits (see frozen_head.py)
+        teacher_1CGL = head.teacher_logits(plan.teacher_h_XGH[sl].unsqueeze(0))[..., :L]
     # logits_1CGL is scratch for slot_terms_: nothing saved its value for backward (it is
     # the output of an addition), so overwriting it is safe.
     t = slot_terms_(
@@ -378,8 +388,8 @@ def compute_loss(
     generator: torch.Generator | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> LossOutput:
-    """Sample anchors (`generator` on the batch's device), then `compute_loss_at` (see there
-    and the module docstring)."""
+    """Sample anchors (`generator`: a CPU generator), then `compute_loss_at` (see there and
+    the module docstring)."""
     anchors_BN, block_valid_BN = sample_anchors(loss_mask_BS, obj.num_anchors, generator)
     return compute_loss_at(
         draft,

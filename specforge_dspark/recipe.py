@@ -60,6 +60,9 @@ class TargetRecipe:
     """A request not answered within this time fails the run (no hang)."""
     offline_dir: str = ""
     """Feature shards written by `python -m specforge_dspark.capture` (backend offline)."""
+    tiny_arch: Literal["", "inkling", "qwen3"] = ""
+    """Embedded CPU recipes: build (or reuse, by build key) the tiny target of this
+    architecture at target.path before training (specforge_dspark.tiny_target)."""
     sglang: SGLangServer = field(default_factory=SGLangServer)
 
 

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from specforge_dspark.target.features import PaddedBatch, TargetFeatures, pad_batch
+from specforge_dspark.engines.features import PaddedBatch, TargetFeatures, pad_batch
 
 
 class Engine(Protocol):
@@ -50,17 +50,17 @@ def make_engine(recipe, rank: int, world_size: int, num_slots: int) -> Engine:
     """The backend named by `target.backend` (imported lazily: sglang needs extras)."""
     backend = recipe.target.backend
     if backend == "hf":
-        from specforge_dspark.target.features import read_target_dims
-        from specforge_dspark.target.hf import HFEngine
+        from specforge_dspark.engines.features import read_target_dims
+        from specforge_dspark.engines.hf import HFEngine
 
         dims = read_target_dims(recipe.target.path, recipe.draft.target_layer_ids)
         return HFEngine(recipe, dims, rank, world_size, num_slots)
     if backend == "sglang":
-        from specforge_dspark.target.sglang import SGLangEngine
+        from specforge_dspark.engines.sglang import SGLangEngine
 
         return SGLangEngine(recipe, rank, world_size, num_slots)
     if backend == "offline":
-        from specforge_dspark.target.offline import OfflineEngine
+        from specforge_dspark.engines.offline import OfflineEngine
 
         return OfflineEngine(recipe)
     raise ValueError(f"target.backend: unknown backend {backend!r}")
@@ -175,7 +175,7 @@ def _bench_recipe(target: str, prefetch: int):
 def _bench_batches(n: int, seq_len: int, seed: int) -> list[list[Any]]:
     import torch
 
-    from specforge_dspark.target.features import Sample
+    from specforge_dspark.engines.features import Sample
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(10, 1000, (n, seq_len), generator=g)

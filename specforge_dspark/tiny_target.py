@@ -1,11 +1,14 @@
-"""Build the small Inkling-architecture target used on CPU (tests, demo).
+"""Build the small targets used on CPU (tests, demo): Inkling, and Qwen3 beside it.
 
     python -m specforge_dspark.tiny_target --out .cache/tiny_target
+    python -m specforge_dspark.tiny_target --arch qwen3 --out .cache/tiny_qwen3
 
 The result is saved exactly like a real checkpoint (config.json, model.safetensors,
 tokenizer files with a chat template), so every code path loads the target from a
-path. It uses transformers' own `InklingForCausalLM` (hybrid sliding/full attention,
-short convolutions, MoE, muP logits multiplier, padded LM head) at a tiny size, a
+path. The default uses transformers' own `InklingForCausalLM` (hybrid sliding/full
+attention, short convolutions, MoE, muP logits multiplier, padded LM head) at a tiny
+size; `arch="qwen3"` builds a `Qwen3ForCausalLM` of the same width and depth (the
+architecture SGLang's CPU engine serves, see engines/sglang.py). Both use a
 byte-level BPE trained offline on ../shared/data text, and a brief seeded pre-training
 on that text so that its greedy continuations are text-like. Building is cached: a
 folder holding a `.build_key` equal to this builder's key is reused as it is.
@@ -26,6 +29,7 @@ import torch
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 BUILD_VERSION = 3
+ARCHS = ("inkling", "qwen3")
 
 SPECIAL_TOKENS = [
     "<|pad|>",
@@ -62,18 +66,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def _settings(args: argparse.Namespace) -> dict:
-    return {
-        "version": BUILD_VERSION,
-        "vocab": args.vocab,
-        "hidden": args.hidden,
-        "layers": args.layers,
-        "pretrain_steps": args.pretrain_steps,
-        "seed": args.seed,
-    }
-
-
 def build_key(settings: dict) -> str:
+    if settings.get("arch") == "inkling":  # keys of Inkling builds predate the field
+        settings = {k: v for k, v in settings.items() if k != "arch"}
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -131,12 +126,14 @@ def train_tokenizer(texts: list[str], vocab: int):
     return fast
 
 
-def make_config(tokenizer, hidden: int, layers: int):
+def make_config(tokenizer, hidden: int, layers: int, arch: str = "inkling"):
     from transformers.models.inkling import InklingTextConfig
 
     n_tok = len(tokenizer)
     padded = (n_tok // 64 + 1) * 64  # like Inkling: LM head rows > tokenizer entries
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if arch == "qwen3":
+        return _qwen3_config(tokenizer, hidden, layers, padded, im_end)
     cfg = InklingTextConfig(
         vocab_size=padded,
         unpadded_vocab_size=n_tok,
@@ -166,6 +163,28 @@ def make_config(tokenizer, hidden: int, layers: int):
         tie_word_embeddings=False,
     )
     cfg.architectures = ["InklingForCausalLM"]
+    return cfg
+
+
+def _qwen3_config(tokenizer, hidden: int, layers: int, padded: int, im_end: int):
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(
+        vocab_size=padded,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=4096,
+        rope_theta=1e6,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=im_end,
+        tie_word_embeddings=False,
+    )
+    cfg.architectures = ["Qwen3ForCausalLM"]
     return cfg
 
 
@@ -206,6 +225,7 @@ def pretrain(model, tokenizer, convs: list[list[dict]], steps: int, seed: int, l
 def build(
     out: Path,
     vocab: int = 1024,
+    arch: str = "inkling",
     hidden: int = 128,
     layers: int = 4,
     pretrain_steps: int = 300,
@@ -214,8 +234,11 @@ def build(
     log=print,
 ) -> Path:
     """Build (or reuse) the tiny target at `out`; returns `out`."""
+    if arch not in ARCHS:
+        raise ValueError(f"tiny target: arch must be one of {ARCHS}, got {arch!r}")
     settings = {
         "version": BUILD_VERSION,
+        "arch": arch,
         "vocab": vocab,
         "hidden": hidden,
         "layers": layers,
@@ -235,7 +258,7 @@ def build(
 
 
 def _build_into(out: Path, settings: dict, key: str, log) -> None:
-    from transformers.models.inkling import InklingForCausalLM
+    from transformers import AutoModelForCausalLM
 
     vocab, hidden, layers = settings["vocab"], settings["hidden"], settings["layers"]
     pretrain_steps, seed = settings["pretrain_steps"], settings["seed"]
@@ -246,8 +269,8 @@ def _build_into(out: Path, settings: dict, key: str, log) -> None:
     convs = _corpus()
     texts = [m["content"] for c in convs for m in c]
     tokenizer = train_tokenizer(texts, vocab)
-    cfg = make_config(tokenizer, hidden, layers)
-    model = InklingForCausalLM(cfg)
+    cfg = make_config(tokenizer, hidden, layers, settings["arch"])
+    model = AutoModelForCausalLM.from_config(cfg)
     losses = pretrain(model, tokenizer, convs, pretrain_steps, seed, log)
     model.generation_config.eos_token_id = [
         cfg.eos_token_id,
@@ -281,6 +304,7 @@ def _build_into(out: Path, settings: dict, key: str, log) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--arch", choices=ARCHS, default="inkling")
     ap.add_argument("--vocab", type=int, default=1024, help="BPE vocabulary (before padding)")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
@@ -288,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="rebuild even if cached")
     a = ap.parse_args(argv)
-    build(a.out, a.vocab, a.hidden, a.layers, a.pretrain_steps, a.seed, a.force)
+    build(a.out, a.vocab, a.arch, a.hidden, a.layers, a.pretrain_steps, a.seed, a.force)
     return 0
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import types
+from pathlib import Path
+
 import pytest
 
 from specforge_dspark import checkpoint as ck
@@ -94,3 +98,96 @@ def test_rng_state_round_trip():
     ck.set_rng_state(s)
     b = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(a[0], b[0]) and (a[1] == b[1]).all() and a[2] == b[2]
+
+
+# --------------------------------------------------------------------------- fingerprint
+
+
+@pytest.fixture
+def setup(tmp_path, tiny_target_dir):
+    """A copy of the tiny target and a small train file: (target dir, train file)."""
+    import shutil
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target_dir, target)
+    train = tmp_path / "train.jsonl"
+    rows = [{"question": f"What is {i}+{i}?", "answer": f"It is {2 * i}."} for i in range(6)]
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return target, train
+
+
+def _recipe(setup, **target):
+    path, train = setup
+    data = {"train_files": [str(train)], "cache_dir": str(path.parent / "cache"), "max_length": 64}
+    return recipe_from_dict({"target": {"path": str(path), **target}, "data": data})
+
+
+def _fingerprint(recipe):
+    from data_pipelines.prepare import prepare_dataset
+
+    dataset = prepare_dataset(recipe, split="train", progress=False)
+    return {"features": ck.features_fingerprint(recipe), "data": ck.data_fingerprint(dataset)}
+
+
+def _saved(tmp_path, recipe):
+    """A checkpoint saved by `ck.save` (its train_state.json as written) for `recipe`."""
+
+    def save_checkpoint(root, tag, save_latest):  # DeepSpeed's files: not needed here
+        Path(root, tag).mkdir(parents=True)
+
+    engine = types.SimpleNamespace(save_checkpoint=save_checkpoint)
+    state = ck.TrainState(step=3)
+    return ck.save(engine, tmp_path / "ckpt", state, recipe, 2, _fingerprint(recipe))
+
+
+def _refusal(path, recipe) -> str:
+    with pytest.raises(ck.ResumeError) as e:
+        ck.check_saved(path, recipe, 1, _fingerprint(recipe))
+    return str(e.value)
+
+
+def test_unchanged_target_and_data_resume_also_on_another_backend(tmp_path, setup):
+    recipe = _recipe(setup)
+    path = _saved(tmp_path, recipe)
+    features = json.loads((path / "train_state.json").read_text())["fingerprint"]["features"]
+    assert features["target_weights"].keys() == {"model.safetensors"}
+    assert features["dtype"] == "float32" and features["tap_convention"]
+    ck.check_saved(path, recipe, 1, _fingerprint(recipe))
+    # the hf and sglang backends serve the same features: a resume may switch between them
+    sglang = _recipe(setup, backend="sglang")
+    ck.check_saved(path, sglang, 1, _fingerprint(sglang))
+
+
+def test_changed_target_weights_are_refused(tmp_path, setup):
+    recipe = _recipe(setup)
+    path = _saved(tmp_path, recipe)
+    weights = setup[0] / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-64:] = bytes(255 - b for b in data[-64:])  # same header and shapes, other values
+    weights.write_bytes(bytes(data))
+    assert "features.target_weights.model.safetensors changed: '" in _refusal(path, recipe)
+
+
+def test_changed_dtype_and_quantization_are_refused(tmp_path, setup):
+    path = _saved(tmp_path, _recipe(setup))
+    message = _refusal(path, _recipe(setup, dtype="bfloat16"))
+    assert "target.dtype: 'float32' -> 'bfloat16'" in message
+    # target.sglang.* may change on resume, but not the quantization the server runs
+    message = _refusal(path, _recipe(setup, sglang={"server_args": {"quantization": "fp8"}}))
+    assert "features.quantization.server_args changed: None -> 'fp8'" in message
+
+
+def test_changed_train_file_content_is_refused(tmp_path, setup):
+    recipe = _recipe(setup)
+    path = _saved(tmp_path, recipe)
+    train = setup[1]
+    train.write_text(train.read_text().replace("What is 3+3?", "What is 3*3?"))  # same size
+    assert "data.content changed: '" in _refusal(path, recipe)
+
+
+def test_fingerprint_compares_only_the_sections_given(tmp_path):
+    r = recipe_from_dict({})
+    saved = {**_meta(r), "fingerprint": {"features": {"dtype": "float32"}, "data": {"x": 1}}}
+    ck.check_compatible(saved, r, 2, tmp_path, {"features": {"dtype": "float32"}})
+    with pytest.raises(ck.ResumeError, match="features.dtype changed: 'float32' -> 'bfloat16'"):
+        ck.check_compatible(saved, r, 2, tmp_path, {"features": {"dtype": "bfloat16"}})

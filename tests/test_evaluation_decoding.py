@@ -20,6 +20,7 @@ from evaluation.acceptance import LosslessError, evaluate, head_fns, main, run_w
 from evaluation.hf_target import HFTarget
 from evaluation.prompts import parse_workload, render
 from evaluation.spec_decode import speculative_generate
+from specforge_dspark.engines.features import AuxTap
 from specforge_dspark.frozen_head import load_frozen_head
 from specforge_dspark.model import DSparkConfig, DSparkDraft
 
@@ -190,9 +191,10 @@ def test_context_features_are_those_of_committed_tokens(target, prompts, referen
     seq = ids + gen.tokens
     assert last["bonus"] == seq[last["ctx_len"]]
     assert target.cache_length() >= last["ctx_len"]
-    with torch.inference_mode():
-        out = target.model(torch.tensor([seq[: last["ctx_len"]]]), output_hidden_states=True)
-    want = torch.cat([out.hidden_states[k + 1][0] for k in LAYERS], dim=-1)
+    tap = AuxTap(target.model, LAYERS)  # one uncached forward over the committed tokens
+    with torch.inference_mode(), tap:
+        target.model(torch.tensor([seq[: last["ctx_len"]]]))
+    want = torch.cat(tap.taps(), dim=-1)[0]
     torch.testing.assert_close(last["ctx"][0], want, atol=1e-4, rtol=1e-4)
 
 

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specforge_dspark.frozen_head import load_frozen_head
+from specforge_dspark.frozen_head import FrozenHead, load_frozen_head
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +133,46 @@ def test_shape_mismatch_names_file_and_tensor(tmp_path):
     _write(tmp_path, {"model.decoder.weight": torch.zeros(4, 4)}, {})
     with pytest.raises(ValueError, match="no token embedding"):
         load_frozen_head(tmp_path)
+
+
+def _bf16_head(mup=2.0, cap=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(300, 64, generator=g).bfloat16()
+    h = (3.0 * torch.randn(5, 64, generator=g)).bfloat16()
+    return FrozenHead(w, w, 300, mup, cap), h
+
+
+def test_teacher_logits_keep_float32_output_of_a_bf16_head():
+    """SGLang's Inkling: bf16 hidden / muP, bf16 head, float32 OUTPUT (no bf16 rounding of
+    the logits before the softmax)."""
+    head, h = _bf16_head()
+    want_z = (h / 2.0).double() @ head.lm_head_weight.double().T  # exact products, float64
+    want_p = torch.softmax(want_z, -1)
+    z = head.teacher_logits(h)
+    assert z.dtype == torch.float32 and z.shape == (5, 300)
+    torch.testing.assert_close(z.double(), want_z, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(torch.softmax(z, -1).double(), want_p, rtol=1e-5, atol=1e-7)
+    # bf16-rounded logits (the draft's base logits, and the old teacher) are far off
+    rounded_p = torch.softmax(head.logits(h).float(), -1).double()
+    assert head.logits(h).dtype == torch.bfloat16
+    assert not torch.allclose(rounded_p, want_p, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("cap", [5.0, 0.0, -1.0])
+def test_final_logit_softcapping_applies_to_the_teacher_only(tmp_path, cap):
+    """cap * tanh(z / cap) after the float32 head, read from the config (text_config too);
+    SGLang treats 0 or a negative cap as none. The draft's base logits never get it."""
+    w, unemb = torch.randn(40, 8), torch.randn(40, 8)
+    config = {"text_config": {"logits_mup_width_multiplier": 2.0, "final_logit_softcapping": cap}}
+    _write(tmp_path, {"model.llm.embed.weight": w, "model.llm.unembed.weight": unemb}, config)
+    head = load_frozen_head(tmp_path)
+    h = 4.0 * torch.randn(3, 8)
+    z = (h / 2.0) @ unemb.T
+    want = cap * torch.tanh(z / cap) if cap > 0 else z
+    assert head.logit_softcap == (cap if cap > 0 else None)
+    torch.testing.assert_close(head.teacher_logits(h), want)
+    torch.testing.assert_close(head.logits(h), z)
+    bf16_head, hb = _bf16_head(cap=cap)
+    zb = (hb / 2.0).float() @ bf16_head.lm_head_weight.float().T
+    want_b = cap * torch.tanh(zb / cap) if cap > 0 else zb
+    torch.testing.assert_close(bf16_head.teacher_logits(hb), want_b, rtol=1e-6, atol=1e-5)

@@ -95,9 +95,18 @@ def anchors_for(batch, seed: int = 2, n: int = N):
 
 def to64(draft, head, batch):
     d64 = copy.deepcopy(draft).double()
-    h64 = FrozenHead(head.embed_weight.double(), head.lm_head_weight.double(), L, MUP)
+    h64 = FrozenHead(
+        head.embed_weight.double(), head.lm_head_weight.double(), L, MUP, head.logit_softcap
+    )
     b64 = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
     return d64, h64, b64
+
+
+def to16(draft, head, batch):
+    d16 = copy.deepcopy(draft).bfloat16()
+    h16 = FrozenHead(head.embed_weight.bfloat16(), head.lm_head_weight.bfloat16(), L, MUP)
+    b16 = {k: v.bfloat16() if v.is_floating_point() else v for k, v in batch.items()}
+    return d16, h16, b16
 
 
 def run(draft, head, batch, anchors, obj=OBJ):
@@ -112,6 +121,13 @@ def run(draft, head, batch, anchors, obj=OBJ):
 
 
 # --------------------------------------------------------------------------- reference
+
+
+def teacher_logits(head, h_H):
+    """lm_head(h / mup), softcapped when the head has a cap."""
+    z = head.lm_head_weight @ (h_H / MUP)
+    cap = head.logit_softcap
+    return z if cap is None else cap * torch.tanh(z / cap)
 
 
 def reference(draft, head, batch, anchors_BN, valid_BN, obj=OBJ):
@@ -151,7 +167,7 @@ def reference(draft, head, batch, anchors_BN, valid_BN, obj=OBJ):
                     break  # the block stops at its first unsupervised label
                 q = torch.softmax(logits_GV[0, 0, k, :L], -1)
                 with torch.no_grad():
-                    p = torch.softmax(head.logits(last[b, a + k])[:L], -1)
+                    p = torch.softmax(teacher_logits(head, last[b, a + k])[:L], -1)
                 ce = -torch.log(q[ids[b, t]])
                 l1 = (q - p).abs().sum()
                 alpha = torch.minimum(p, q.detach()).sum()
@@ -454,22 +470,118 @@ def test_sampler_is_uniform_over_subsets():
     assert chi2 < 27.88  # chi-square, 9 degrees of freedom, p = 0.001
 
 
+class _GeneratorDeviceCheck(torch.overrides.TorchFunctionMode):
+    """Refuses a random draw on another device than its generator's, as CUDA does for a
+    CPU generator ("Expected a 'cuda' device type for generator")."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        gen, device = kwargs.get("generator"), kwargs.get("device")
+        if gen is not None and device is not None and torch.device(device) != gen.device:
+            raise RuntimeError(f"Expected a '{torch.device(device).type}' device for generator")
+        return func(*args, **kwargs)
+
+
+def test_sampler_draws_on_the_cpu_generator_for_a_batch_on_another_device():
+    mask = make_batch()["loss_mask_BS"]
+    with _GeneratorDeviceCheck():
+        cpu = sample_anchors(mask, N, torch.Generator().manual_seed(4))
+        meta = sample_anchors(mask.to("meta"), N, torch.Generator().manual_seed(4))
+    assert [t.device.type for t in meta] == ["meta", "meta"]
+    assert [(t.shape, t.dtype) for t in meta] == [(t.shape, t.dtype) for t in cpu]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sampler_gives_the_same_anchors_on_cuda_as_on_cpu():
+    mask = make_batch()["loss_mask_BS"]
+    cpu = sample_anchors(mask, N, torch.Generator().manual_seed(4))
+    cuda = sample_anchors(mask.cuda(), N, torch.Generator().manual_seed(4))
+    assert all(c.is_cuda for c in cuda)
+    assert all(torch.equal(a, c.cpu()) for a, c in zip(cpu, cuda, strict=True))
+
+
 def test_bfloat16_draft_and_head_train_close_to_float32():
     """bf16 weights and features: softmaxes still run in fp32; loss and gradients stay close."""
     draft, head = make_models()
     batch = make_batch()
     anchors = anchors_for(batch)
     loss32, _, grads32 = run(draft, head, batch, anchors)
-    d16 = copy.deepcopy(draft).bfloat16()
-    h16 = FrozenHead(head.embed_weight.bfloat16(), head.lm_head_weight.bfloat16(), L, MUP)
-    b16 = {k: v.bfloat16() if v.is_floating_point() else v for k, v in batch.items()}
-    loss16, metrics16, grads16 = run(d16, h16, b16, anchors)
+    loss16, metrics16, grads16 = run(*to16(draft, head, batch), anchors)
     assert loss16.dtype == torch.float32 and metrics16["alpha"].dtype == torch.float64
     assert float(loss16) == pytest.approx(float(loss32), rel=2e-2)
     for name, g in grads32.items():
         assert grads16[name].dtype == torch.bfloat16
         cos = F.cosine_similarity(grads16[name].double().flatten(), g.double().flatten(), dim=0)
         assert cos > 0.98, name
+
+
+def test_softcapped_teacher_matches_reference():
+    draft, head = make_models()
+    capped = FrozenHead(head.embed_weight, head.lm_head_weight, L, MUP, logit_softcap=2.0)
+    draft, capped, batch = to64(draft, capped, make_batch())
+    anchors = anchors_for(batch)
+    loss, metrics, grads = run(draft, capped, batch, anchors)
+    ref_metrics, ref_grads = reference(draft, capped, batch, *anchors)
+    assert_close_metrics(metrics, ref_metrics, rtol=1e-9)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-9, atol=1e-11, msg=name)
+    uncapped = run(draft, to64(draft, head, batch)[1], batch, anchors)[1]
+    assert abs(float(uncapped["l1"]) - float(metrics["l1"])) > 1e-2  # the cap matters here
+
+
+def test_bf16_teacher_logits_reach_the_loss_in_float32(monkeypatch):
+    """The teacher's softmax sees the target's float32 logits, not bf16-rounded ones."""
+    from specforge_dspark import objective
+
+    seen = []
+    real = objective.slot_terms_
+
+    def spy(logits_ML, conf_M, teacher_logits_ML, *rest):
+        seen.append(teacher_logits_ML.clone())
+        return real(logits_ML, conf_M, teacher_logits_ML, *rest)
+
+    monkeypatch.setattr(objective, "slot_terms_", spy)
+    draft, head = make_models()
+    batch = make_batch()
+    run(*to16(draft, head, batch), anchors_for(batch))
+    assert seen and all(t.dtype == torch.float32 for t in seen)
+    teacher = torch.cat(seen)
+    assert (teacher != teacher.bfloat16().float()).float().mean() > 0.9  # not bf16 values
+
+
+def test_bf16_parameter_gradients_are_summed_over_chunks_in_float32(monkeypatch):
+    """One block per chunk (64 chunks): each parameter's gradient is the exact sum of the
+    chunks' bf16 gradients rounded once to bf16; a bf16 running sum is off by ~4e-3."""
+    from specforge_dspark import objective
+
+    per_chunk = []
+    real = objective._vocab_chunk
+
+    def spy(*args):
+        stats, grads = real(*args)
+        per_chunk.append([None if g is None else g.double() for g in grads[1:]])
+        return stats, grads
+
+    monkeypatch.setattr(objective, "_vocab_chunk", spy)
+    draft, head = make_models()
+    d16, h16, b16 = to16(draft, head, make_batch())
+    obj = ObjectiveRecipe(**{**OBJ.__dict__, "num_anchors": 16, "chunk_size": 1})
+    anchors = sample_anchors(b16["loss_mask_BS"], 16, torch.Generator().manual_seed(2))
+    _, _, grads = run(d16, h16, b16, anchors, obj)
+    assert len(per_chunk) == 64
+    trainable = [n for n, p in d16.named_parameters() if p.requires_grad]
+    checked = 0
+    for i, name in enumerate(trainable):
+        parts = [c[i] for c in per_chunk if c[i] is not None]
+        if not parts:
+            continue  # not a head parameter: its gradient flows back through h
+        exact = torch.stack(parts).sum(0)
+        assert grads[name].dtype == torch.bfloat16
+        err = float((grads[name].double() - exact.bfloat16().double()).norm() / exact.norm())
+        assert err < 2e-4, (name, err)
+        checked += 1
+    assert checked >= 3  # the Markov and confidence heads
 
 
 def test_bench_dispatch_reports_a_missing_benchmark(monkeypatch, capsys):

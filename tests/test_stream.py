@@ -17,10 +17,10 @@ import torch
 from specforge_dspark.capture import batched, capture
 from specforge_dspark.recipe import recipe_from_dict
 from specforge_dspark.stream import FeatureStream
-from specforge_dspark.target.features import Sample, pad_batch
-from specforge_dspark.target.hf import HFTarget, worker_threads
-from specforge_dspark.target.offline import ShardWriter, target_fingerprint
-from specforge_dspark.target.shm import FILE_PREFIX, SHM_DIR, sweep_stale_slots
+from specforge_dspark.engines.features import Sample, pad_batch
+from specforge_dspark.engines.hf import HFTarget, worker_threads
+from specforge_dspark.engines.offline import ShardWriter, target_fingerprint
+from specforge_dspark.engines.shm import FILE_PREFIX, SHM_DIR, sweep_stale_slots
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -144,7 +144,7 @@ TRAINER = textwrap.dedent(
     import sys, time, itertools
     from specforge_dspark.recipe import recipe_from_dict
     from specforge_dspark.stream import FeatureStream
-    from specforge_dspark.target.features import Sample
+    from specforge_dspark.engines.features import Sample
 
     recipe = recipe_from_dict({
         "target": {"path": sys.argv[1], "prefetch": 2, "timeout_s": 60},

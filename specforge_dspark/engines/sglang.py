@@ -1,7 +1,10 @@
 """The `sglang` backend: a live SGLang server for the target, features by shared memory.
 
 The trainer's local rank 0 starts `python -m sglang.launch_server` with `launch_args`
-(or every rank attaches to `target.sglang.url`). Each batch becomes one `/generate`
+(or every rank attaches to `target.sglang.url`). With `target.device: cpu` the server
+runs SGLang's CPU engine (`SGLANG_USE_CPU_ENGINE=1`, `CPU_ENGINE_ARGS`, and the import
+shims of cpu_shims/ on its PYTHONPATH); that is how CI and the embedded default run the
+real server. Each batch becomes one `/generate`
 request (max_new_tokens 1, return_hidden_states) whose rids name a shared-memory slot
 and a ticket per sequence; our SGLang plugin (sglang_plugin.py, loaded in the server
 through its entry point) writes the aux and last hidden states there instead of
@@ -26,7 +29,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
-from specforge_dspark.target.features import (
+from specforge_dspark.engines.features import (
     DTYPES,
     PaddedBatch,
     TargetDims,
@@ -34,13 +37,13 @@ from specforge_dspark.target.features import (
     check_layer_ids,
     read_target_dims,
 )
-from specforge_dspark.target.sglang_plugin import PLUGIN_NAME, make_rid
-from specforge_dspark.target.shm import (
+from specforge_dspark.engines.sglang_plugin import PLUGIN_NAME, make_rid
+from specforge_dspark.engines.shm import (
     DONE,
     DTYPE_CODES,
     FAILED,
-    ShmSlot,
     Ticket,
+    make_slots,
     sweep_stale_slots,
 )
 
@@ -52,7 +55,31 @@ RESERVED = {
     "speculative_algorithm": "the backend (DSPARK capture convention)",
     "return_aux_hidden_state_layer_ids": "draft.target_layer_ids",
     "disable_radix_cache": "the backend (always on: cached prefixes have no hidden states)",
+    "disable_overlap_schedule": "the backend (always on: see OVERLAP below)",
+    "dtype": "target.dtype",
 }
+OVERLAP = """Overlap scheduling is always off. With it, SGLang processes a batch's results after
+the next batch has launched, and only `hidden_states` is copied to the host before
+that; `last_hidden_states` would be read from device memory the next batch may reuse.
+A prefill-only feature request gains nothing from overlap, so we turn it off rather
+than copying in the forward pass."""
+CPU_ENGINE_ARGS: dict[str, Any] = {
+    "device": "cpu",
+    "attention_backend": "torch_native",
+    "disable_cuda_graph": True,
+    "tp_size": 1,
+    "max_total_tokens": 8192,
+    "mem_fraction_static": 0.05,
+    "skip_server_warmup": True,
+    "sleep_on_idle": True,
+}
+"""Defaults for a CPU-engine server (`target.device: cpu`); `target.sglang.server_args`
+overrides any of them."""
+CPU_SHIMS = Path(__file__).resolve().parent / "cpu_shims"
+LAUNCHER_VARS = {
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+}  # fmt: skip
 POLL_S = 0.5
 
 
@@ -63,14 +90,39 @@ def launch_args(recipe) -> list[str]:
     args = ["--model-path", str(t.path), "--host", s.host, "--port", str(s.port)]
     args += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "DSPARK"]
     args += ["--return-aux-hidden-state-layer-ids", *map(str, d.target_layer_ids)]
-    args += ["--disable-radix-cache"]
-    for key, value in s.server_args.items():
+    args += ["--disable-radix-cache", "--disable-overlap-schedule", "--dtype", t.dtype]
+    for key in s.server_args:
         if key in RESERVED:
             raise ValueError(
                 f"target.sglang.server_args.{key} is set by {RESERVED[key]}; remove it"
             )
+    extra = {**CPU_ENGINE_ARGS, **s.server_args} if is_cpu_engine(recipe) else s.server_args
+    for key, value in extra.items():
         args += _flag(key, value)
     return args
+
+
+def is_cpu_engine(recipe) -> bool:
+    """A server for `target.device: cpu` runs SGLang's CPU engine."""
+    return recipe.target.device == "cpu"
+
+
+def server_env(cpu_engine: bool, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a server we start: our plugin allowed, and for the CPU engine
+    `SGLANG_USE_CPU_ENGINE=1` with the import shims first on PYTHONPATH (inherited by
+    the scheduler and detokenizer processes it spawns). torchrun's variables are
+    dropped: the server is one process group of its own, not a peer of the trainer."""
+    env = dict(os.environ if base is None else base)
+    for key in list(env):  # torchrun's rendezvous would make SGLang's own init wait for peers
+        if key in LAUNCHER_VARS or key.startswith("TORCHELASTIC_"):
+            del env[key]
+    allowed = env.get("SGLANG_PLUGINS")
+    if allowed and PLUGIN_NAME not in allowed.split(","):
+        env["SGLANG_PLUGINS"] = f"{allowed},{PLUGIN_NAME}"
+    if cpu_engine:
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_SHIMS), env.get("PYTHONPATH")) if p)
+    return env
 
 
 def _flag(key: str, value: Any) -> list[str]:
@@ -116,17 +168,14 @@ def request_body(rids: list[str], input_ids: list[list[int]]) -> dict[str, Any]:
 class ServerProcess:
     """A `sglang.launch_server` child in its own process group, logging to a file."""
 
-    def __init__(self, args: list[str], log_path: Path):
+    def __init__(self, args: list[str], log_path: Path, cpu_engine: bool = False):
         names = {ep.name for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")}
         if PLUGIN_NAME not in names:
             raise RuntimeError(
                 f"the {PLUGIN_NAME} SGLang plugin is not registered in this environment "
                 "(entry point group sglang.srt.plugins): run `pip install -e .` here"
             )
-        env = dict(os.environ)
-        allowed = env.get("SGLANG_PLUGINS")
-        if allowed and PLUGIN_NAME not in allowed.split(","):
-            env["SGLANG_PLUGINS"] = f"{allowed},{PLUGIN_NAME}"
+        env = server_env(cpu_engine)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
         with log_path.open("ab") as log:
@@ -169,16 +218,15 @@ class SGLangEngine:
         self.url = (t.sglang.url or f"http://{t.sglang.host}:{t.sglang.port}").rstrip("/")
         self.dtype = DTYPES[t.dtype]
         sweep_stale_slots()
-        self.slots = [
-            ShmSlot(f"r{rank}s{i}", self.dims.aux_width, self.dims.hidden_size, self.dtype)
-            for i in range(num_slots)
-        ]
+        self.slots = make_slots(
+            rank, num_slots, self.dims.aux_width, self.dims.hidden_size, self.dtype, recipe
+        )
         self.futures: dict[int, Future] = {}
         self.slot_busy: list[Future | None] = [None] * num_slots
         self.server: ServerProcess | None = None
         if t.sglang.url is None and int(os.environ.get("LOCAL_RANK", rank)) == 0:
             log = Path(recipe.train.output_dir) / f"sglang_server_rank{rank}.log"
-            self.server = ServerProcess(launch_args(recipe), log)
+            self.server = ServerProcess(launch_args(recipe), log, is_cpu_engine(recipe))
         self._ready = False
 
     @property

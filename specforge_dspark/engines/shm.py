@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import struct
 import tempfile
 import uuid
@@ -191,10 +192,13 @@ class SlotViews:
 
 
 class ShmSlot:
-    """A trainer-owned slot file that grows (never shrinks) to fit each request."""
+    """A trainer-owned slot file that grows (never shrinks) to fit each request, by
+    doubling up to `max_tokens` (0: no bound)."""
 
-    def __init__(self, tag: str, aux_width: int, hidden: int, dtype: torch.dtype):
-        self.tag = tag
+    def __init__(
+        self, tag: str, aux_width: int, hidden: int, dtype: torch.dtype, max_tokens: int = 0
+    ):
+        self.tag, self.max_tokens = tag, max_tokens
         self.aux_width, self.hidden, self.dtype = aux_width, hidden, dtype
         self.path: Path | None = None
         self.layout: SlotLayout | None = None
@@ -205,6 +209,8 @@ class ShmSlot:
         lay = self.layout
         if lay is None or B * S > lay.capacity or B > lay.max_seqs:
             cap = max(B * S, 2 * lay.capacity if lay else 0)
+            if self.max_tokens >= B * S:
+                cap = min(cap, self.max_tokens)
             seqs = max(B, lay.max_seqs if lay else 0)
             self._allocate(SlotLayout.plan(cap, seqs, self.aux_width, self.hidden, self.dtype))
         return SlotViews(self.buf, self.layout, B, S)
@@ -233,6 +239,49 @@ class ShmSlot:
             self.path.unlink(missing_ok=True)
         release(self.buf)
         self.path, self.layout, self.buf = None, None, None
+
+
+SHM_HINT = (
+    "raise it (docker run --shm-size=<N>g, Kubernetes: an emptyDir with medium: Memory "
+    "mounted at /dev/shm) or lower train.micro_batch_size, data.max_length or target.prefetch"
+)
+
+
+def make_slots(
+    rank: int, num_slots: int, aux_width: int, hidden: int, dtype: torch.dtype, recipe
+) -> list[ShmSlot]:
+    """The `num_slots` slots of one trainer rank, after checking that those of every
+    rank on this node fit in SHM_DIR at their largest (B = train.micro_batch_size
+    sequences of data.max_length tokens), so a small /dev/shm fails at start-up with
+    the size it needs instead of with SIGBUS mid-run."""
+    seqs = recipe.train.micro_batch_size
+    tokens = seqs * recipe.data.max_length
+    per_slot = SlotLayout.plan(tokens, seqs, aux_width, hidden, dtype).nbytes
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    need = per_slot * num_slots * local
+    free = shutil.disk_usage(SHM_DIR).free + _ours_bytes()
+    if need > free:
+        raise RuntimeError(
+            f"shared memory: feature slots need {need / 2**30:.2f} GiB in {SHM_DIR} "
+            f"({local} rank(s) x {num_slots} slots x {per_slot / 2**20:.1f} MiB for "
+            f"{seqs} x {recipe.data.max_length} tokens of aux width {aux_width} + hidden "
+            f"{hidden}), {free / 2**30:.2f} GiB free: {SHM_HINT}"
+        )
+    return [
+        ShmSlot(f"r{rank}s{i}", aux_width, hidden, dtype, max_tokens=tokens)
+        for i in range(num_slots)
+    ]
+
+
+def _ours_bytes() -> int:
+    """Bytes already held by slots of this process (they are replaced, not added)."""
+    total = 0
+    for path in SHM_DIR.glob(f"{FILE_PREFIX}{os.getpid()}-*"):
+        try:
+            total += path.stat().st_size
+        except OSError:
+            continue
+    return total
 
 
 def sweep_stale_slots() -> list[Path]:

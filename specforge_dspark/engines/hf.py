@@ -19,8 +19,14 @@ from typing import Any
 
 import torch
 
-from specforge_dspark.target.features import DTYPES, PaddedBatch, TargetDims, TargetFeatures
-from specforge_dspark.target.shm import ShmSlot, SlotReader, sweep_stale_slots
+from specforge_dspark.engines.features import (
+    DTYPES,
+    AuxTap,
+    PaddedBatch,
+    TargetDims,
+    TargetFeatures,
+)
+from specforge_dspark.engines.shm import SlotReader, make_slots, sweep_stale_slots
 
 POLL_S = 0.1
 """How often a waiting trainer checks that its worker is still alive."""
@@ -31,9 +37,11 @@ STARTUP_TIMEOUT_S = 600.0
 class HFTarget:
     """A frozen transformers causal LM that returns aux and post-norm hidden states.
 
-    Aux layer k is `hidden_states[k+1]` (the output of decoder layer k, before the final
-    norm); `last_hidden` is the decoder's `last_hidden_state`, i.e. after the final norm:
-    the LM head's input before any muP logits division (Inkling divides in the head).
+    Aux layer k is SGLang's tap of decoder layer k (`AuxTap`, before the final norm:
+    Inkling's excludes the layer's MLP short convolution, other targets' is
+    `hidden_states[k+1]`); `last_hidden` is the decoder's `last_hidden_state`, i.e. after
+    the final norm: the LM head's input before any muP logits division (Inkling divides
+    in the head).
     """
 
     def __init__(self, path: str, dtype: str, device: str, layer_ids: list[int], chunk: int):
@@ -44,6 +52,7 @@ class HFTarget:
         self.decoder = model.base_model  # the model without its LM head
         self.device = torch.device(device)
         self.layer_ids = list(layer_ids)
+        self.tap = AuxTap(model, self.layer_ids)
         self.chunk = max(1, chunk)
 
     @torch.inference_mode()
@@ -69,14 +78,11 @@ class HFTarget:
             mask = None
             if bool((lens < Sc).any()):
                 mask = (torch.arange(Sc)[None, :] < lens[:, None]).long().to(self.device)
-            out = self.decoder(
-                input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False
-            )
-            # hidden_states: embeddings, then decoder layer outputs (the last entry is
-            # post-norm in some models, Inkling included; aux layers never reach it)
+            with self.tap:
+                out = self.decoder(input_ids=ids, attention_mask=mask, use_cache=False)
             H = out.last_hidden_state.shape[-1]
-            for i, k in enumerate(self.layer_ids):
-                aux_BSD[lo:hi, :Sc, i * H : (i + 1) * H].copy_(out.hidden_states[k + 1])
+            for i, tap_BSH in enumerate(self.tap.taps()):
+                aux_BSD[lo:hi, :Sc, i * H : (i + 1) * H].copy_(tap_BSH)
             last_BSH[lo:hi, :Sc].copy_(out.last_hidden_state)
             for b, n in enumerate(lens.tolist()):
                 aux_BSD[lo + b, n:] = 0
@@ -168,10 +174,7 @@ class HFEngine:
         self.rank, self.timeout_s = rank, t.timeout_s
         dtype = DTYPES[t.dtype]
         sweep_stale_slots()
-        self.slots = [
-            ShmSlot(f"r{rank}s{i}", dims.aux_width, dims.hidden_size, dtype)
-            for i in range(num_slots)
-        ]
+        self.slots = make_slots(rank, num_slots, dims.aux_width, dims.hidden_size, dtype, recipe)
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(

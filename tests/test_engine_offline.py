@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import save_file
 
 from specforge_dspark.capture import read_samples_jsonl
+from specforge_dspark.engines.offline import MANIFEST, ShardWriter, target_fingerprint
 from specforge_dspark.recipe import recipe_from_dict
 from specforge_dspark.stream import FeatureStream
-from specforge_dspark.target.offline import MANIFEST, ShardWriter, target_fingerprint
 
 H, LAYERS = 16, [0, 2]
 
@@ -110,6 +110,24 @@ def test_features_of_another_target_are_refused(capture_dir, tmp_path):
     other = fake_target(tmp_path / "other_target", seed=1)
     with pytest.raises(ValueError, match=r"manifest\.json: features of another target"):
         FeatureStream(offline_recipe(capture_dir, other))
+
+
+def test_features_of_another_aux_tap_are_refused(tmp_path):
+    """Captures without a recorded tap took hidden_states[k+1]: wrong for an Inkling target."""
+    target = fake_target(tmp_path / "target", seed=0)
+    config = {"model_type": "inkling_text", "hidden_size": H, "num_hidden_layers": 4}
+    (target / "config.json").write_text(json.dumps(config))
+    meta = {"path": str(target), "weights_hash": target_fingerprint(target), "hidden_size": H}
+    for name, tap in [("old", None), ("new", "pre_mlp_sconv")]:
+        writer = ShardWriter(
+            tmp_path / name, meta if tap is None else {**meta, "tap": tap}, LAYERS, "float32"
+        )
+        writer.add(7, *features(7, LENGTHS[7]))
+        writer.close()
+    with pytest.raises(ValueError, match=r"features of the layer_output aux tap.*pre_mlp_sconv"):
+        FeatureStream(offline_recipe(tmp_path / "old", target))
+    [(ids, aux, _)] = read_all(offline_recipe(tmp_path / "new", target), [[S(7)]])
+    assert ids == [7] and torch.equal(aux[0], features(7, LENGTHS[7])[1])
 
 
 def test_corrupt_manifest_and_changed_data_are_refused(capture_dir):

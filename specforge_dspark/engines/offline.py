@@ -4,9 +4,11 @@ A capture directory holds `shard-NNNNN.safetensors` files (per sample: `<id>.inp
 [S] int64, `<id>.aux` [S, m*H], `<id>.last` [S, H], unpadded) and `manifest.json`, written
 last, so a directory without one is an unfinished capture. The manifest records the
 sample ids and their shards, the aux layer ids, hidden size, dtype, each shard's size and
-sha256, and a fingerprint of the target weights (`target_fingerprint`). The reader checks
-all of it against the recipe before the first batch and each shard (size, sha256,
-tensor shapes) on first use, and names the file on any problem.
+sha256, a fingerprint of the target weights (`target_fingerprint`) and the aux tap
+convention (`features.tap_convention`; absent in captures older than it, which all took
+`layer_output`). The reader checks all of it against the recipe before the first batch
+and each shard (size, sha256, tensor shapes) on first use, and names the file on any
+problem.
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specforge_dspark.target.features import DTYPES, PaddedBatch, TargetFeatures
+from specforge_dspark.engines.features import (
+    DTYPES,
+    PaddedBatch,
+    TargetFeatures,
+    read_target_config,
+    tap_convention,
+)
 
 FORMAT = "specforge_dspark.features"
 VERSION = 1
@@ -168,6 +176,13 @@ class FeatureStore:
             raise ValueError(
                 f"{mpath}: features of another target: weights hash {got} != {want} of "
                 f"target.path={target_path}"
+            )
+        want_tap = tap_convention(read_target_config(target_path))
+        got_tap = m["target"].get("tap", "layer_output")
+        if got_tap != want_tap:
+            raise ValueError(
+                f"{mpath}: features of the {got_tap} aux tap, but SGLang taps this target "
+                f"{want_tap} (engines/features.py); capture again"
             )
         self.manifest = m
         self.hidden = int(m["target"]["hidden_size"])

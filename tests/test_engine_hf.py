@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specforge_dspark.target.features import Sample, pad_batch, read_target_dims
-from specforge_dspark.target.hf import HFTarget
+from specforge_dspark.engines.features import Sample, pad_batch, read_target_dims
+from specforge_dspark.engines.hf import HFTarget
 
 LAYER_IDS = [0, 1, 2]
 
@@ -29,14 +29,17 @@ def _samples(lengths: list[int], seed: int = 0) -> list[Sample]:
     ]
 
 
-def test_aux_layer_k_is_the_output_of_decoder_layer_k(target, hidden):
-    """HF convention: aux layer k = hidden_states[k+1] = what decoder layer k returns."""
+def test_aux_layer_k_is_the_sglang_tap_of_decoder_layer_k(target, hidden):
+    """Aux layer k = decoder layer k's output less its MLP short convolution's conv term
+    (SGLang's Inkling tap, tests/test_inkling_tap.py), not a neighbour layer's."""
     outputs: list[torch.Tensor] = []
+    conv_terms: list[torch.Tensor] = []  # mlp_sconv(m) - m
     layers = target.model.model.layers
     hooks = [
-        layer.register_forward_hook(
-            lambda mod, inp, out: outputs.append(out[0] if isinstance(out, tuple) else out)
-        )
+        layer.register_forward_hook(lambda mod, inp, out: outputs.append(out)) for layer in layers
+    ]
+    hooks += [
+        layer.mlp_sconv.register_forward_hook(lambda mod, inp, out: conv_terms.append(out - inp[0]))
         for layer in layers
     ]
     try:
@@ -44,12 +47,14 @@ def test_aux_layer_k_is_the_output_of_decoder_layer_k(target, hidden):
     finally:
         for h in hooks:
             h.remove()
-    assert len(outputs) == len(layers) == 4
+    assert len(outputs) == len(conv_terms) == len(layers) == 4
+    taps = [out[0] - conv[0] for out, conv in zip(outputs, conv_terms, strict=True)]
     for i, k in enumerate(LAYER_IDS):
         got = feats.aux_hidden[0, :, i * hidden : (i + 1) * hidden]
-        assert torch.equal(got, outputs[k][0]), f"aux slot {i} is not decoder layer {k}"
+        torch.testing.assert_close(got, taps[k], atol=1e-5, rtol=0, msg=f"aux slot {i}")
+        assert not torch.allclose(got, outputs[k][0], atol=1e-3), "HF's hidden_states[k+1]"
     # and not an off-by-one neighbour
-    assert not torch.equal(feats.aux_hidden[0, :, :hidden], outputs[1][0])
+    assert not torch.allclose(feats.aux_hidden[0, :, :hidden], taps[1], atol=1e-3)
 
 
 def test_last_hidden_is_post_norm_lm_head_input(target, hidden):

@@ -12,9 +12,13 @@ of `--return-aux-hidden-state-layer-ids`) and the post-norm, pre-muP last hidden
 rid, then marks the request's ticket done (see shm.py). Other requests are untouched.
 Only attention-TP rank 0 writes (all TP ranks hold the same rows).
 
-The server must prefill each sequence in one piece: the trainer's launcher passes
-`--disable-radix-cache` (a cached prefix has no hidden states) and the chunked-prefill
-size must exceed the longest sequence; otherwise the ticket reports the problem.
+A prefill that SGLang splits into chunks (its chunk budget is per batch, so with many
+requests in flight any sequence may be split) reaches the hook once per chunk: middle
+chunks with `store=False` (upstream drops their rows), the last one with `store=True`.
+We write every chunk's rows at their offset in the sequence (`req.extend_end -
+extend_input_len`, the chunk's first position) and mark the ticket done once all rows
+are there. The trainer's launcher passes `--disable-radix-cache` (a cached prefix has
+no hidden states) and `--disable-overlap-schedule` (engines/sglang.py, OVERLAP).
 """
 
 from __future__ import annotations
@@ -22,10 +26,13 @@ from __future__ import annotations
 import logging
 import sys
 
-from specforge_dspark.target.shm import (
+import torch
+
+from specforge_dspark.engines.shm import (
     CODE_DTYPES,
     DONE,
     FAILED,
+    PENDING,
     TICKET_SIZE,
     SlotLayout,
     Ticket,
@@ -101,7 +108,8 @@ def append_prefill_hidden_states(
         raise ValueError(f"Unexpected hidden states capture mode: {capture_hidden_mode}")
     start = hidden_state_offset
     end = start + (extend_input_len if full else 1)
-    if _is_writer_rank():
+    middle_chunk = getattr(req, "inflight_middle_chunks", 0) > 0
+    if _is_writer_rank() and (store or middle_chunk):
         ticket, path = target
         if not full:
             fail(
@@ -110,22 +118,27 @@ def append_prefill_hidden_states(
                 "server captured only the last position; start it with "
                 "--enable-return-aux-hidden-states (return_hidden_states_mode full)",
             )
-        elif store:
+        else:
             last = logits_output.last_hidden_states
             write_features(
                 path,
                 ticket,
+                chunk_start(req, extend_input_len),
                 logits_output.hidden_states[start:end],
                 None if last is None else last[start:end],
             )
-        elif getattr(req, "inflight_middle_chunks", 0) > 0:
-            fail(
-                path,
-                ticket,
-                f"server split the sequence into prefill chunks "
-                f"({extend_input_len} tokens in one); raise --chunked-prefill-size",
-            )
     return end
+
+
+def chunk_start(req, extend_input_len: int) -> int | None:
+    """Position in its sequence of this forward's first row for `req`: SGLang extends
+    fill ids [prefix_len, extend_end) in a round, so the chunk starts at
+    extend_end - extend_input_len. None when the request does not say (then chunks are
+    taken to arrive in order)."""
+    extend_end = getattr(req, "extend_end", None)
+    if isinstance(extend_end, int):
+        return extend_end - extend_input_len
+    return None
 
 
 def _is_writer_rank() -> bool:
@@ -138,9 +151,10 @@ def _is_writer_rank() -> bool:
         return True
 
 
-def write_features(path: str, ticket: int, aux_ND, last_NH) -> None:
-    """Copy one request's rows into its slot and mark the ticket; never raises (a
-    failure is reported to the trainer through the ticket, the server keeps serving)."""
+def write_features(path: str, ticket: int, row0: int | None, aux_ND, last_NH) -> None:
+    """Copy one request's rows [row0, row0 + N) into its slot and update the ticket:
+    done once all of its rows are written. Never raises (a failure is reported to the
+    trainer through the ticket, the server keeps serving)."""
     buf = None
     try:
         buf = map_file(path)
@@ -149,15 +163,21 @@ def write_features(path: str, ticket: int, aux_ND, last_NH) -> None:
         t = Ticket.unpack(buf, off)
         if t is None:
             raise RuntimeError(f"no ticket {ticket} in {path}")
+        if row0 is None:
+            row0 = t.written
         rows = aux_ND.shape[0]
-        problem = _check(t, aux_ND, last_NH)
+        problem = _check(t, row0, aux_ND, last_NH)
         if problem:
             t.status, t.error = FAILED, problem
-        else:
+        elif t.status != FAILED:
             dtype = CODE_DTYPES[t.dtype_code]
-            view(buf, dtype, t.aux_off, (rows, t.aux_width)).copy_(aux_ND)
-            view(buf, dtype, t.last_off, (rows, t.hidden)).copy_(last_NH)
-            t.status, t.written = DONE, rows
+            item = torch.empty((), dtype=dtype).element_size()
+            aux_off = t.aux_off + row0 * t.aux_width * item
+            last_off = t.last_off + row0 * t.hidden * item
+            view(buf, dtype, aux_off, (rows, t.aux_width)).copy_(aux_ND)
+            view(buf, dtype, last_off, (rows, t.hidden)).copy_(last_NH)
+            t.written = row0 + rows
+            t.status = DONE if t.written == t.rows else PENDING
         buf[off : off + TICKET_SIZE] = t.pack().ljust(TICKET_SIZE, b"\0")
     except Exception:
         logger.exception("specforge_dspark: could not hand features to %s", path)
@@ -165,14 +185,19 @@ def write_features(path: str, ticket: int, aux_ND, last_NH) -> None:
         release(buf)
 
 
-def _check(t: Ticket, aux_ND, last_NH) -> str:
+def _check(t: Ticket, row0: int, aux_ND, last_NH) -> str:
     rows = aux_ND.shape[0]
     if last_NH is None:
         return "server returned no last hidden states (--enable-return-aux-hidden-states off?)"
-    if rows != t.rows:
+    if row0 != 0 and row0 != t.written:
         return (
-            f"server prefilled {rows} of the {t.rows} tokens (prefix cache or chunked "
-            "prefill: pass --disable-radix-cache, raise --chunked-prefill-size)"
+            f"server sent rows [{row0}, {row0 + rows}) of {t.rows} after only {t.written} "
+            "were written (a prefix cache hit? pass --disable-radix-cache)"
+        )
+    if row0 + rows > t.rows:
+        return (
+            f"server prefilled rows [{row0}, {row0 + rows}) of a {t.rows}-token sequence "
+            "(the request and the ticket disagree)"
         )
     if aux_ND.shape[-1] != t.aux_width or last_NH.shape[-1] != t.hidden:
         return (

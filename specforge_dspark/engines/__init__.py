@@ -6,6 +6,6 @@ shm.py is the shared memory they write into. `specforge_dspark.stream.FeatureStr
 picks one by `target.backend`.
 """
 
-from specforge_dspark.target.features import Sample, TargetFeatures
+from specforge_dspark.engines.features import Sample, TargetFeatures
 
 __all__ = ["Sample", "TargetFeatures"]
