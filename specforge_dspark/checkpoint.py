@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from specforge_dspark.engines.features import tap_convention
 from specforge_dspark.recipe import Recipe
 
 FORMAT_VERSION = 2  # 2: train_state.json holds the fingerprint
@@ -137,7 +138,6 @@ def features_fingerprint(recipe: Recipe) -> dict[str, Any]:
     root = Path(recipe.target.path)
     config_file = root / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    tap = getattr(_features_module(), "tap_convention", None)
     return _jsonable(
         {
             "target_config": _sha256(config_file.read_bytes()) if config_file.is_file() else None,
@@ -147,7 +147,7 @@ def features_fingerprint(recipe: Recipe) -> dict[str, Any]:
                 "server_args": recipe.target.sglang.server_args.get("quantization"),
             },
             "dtype": recipe.target.dtype,
-            "tap_convention": "layer_output" if tap is None else tap(config),
+            "tap_convention": tap_convention(config),
         }
     )
 
@@ -162,12 +162,6 @@ def data_fingerprint(dataset) -> dict[str, Any]:
             h.update(rows.value_lengths().to_numpy(zero_copy_only=False).tobytes())
             h.update(rows.flatten().to_numpy(zero_copy_only=False).tobytes())
     return {"rows": len(dataset), "content": h.hexdigest()[:16]}
-
-
-def _features_module():
-    from specforge_dspark.engines import features
-
-    return features
 
 
 def _weight_files(root: Path) -> list[Path]:

@@ -33,3 +33,21 @@ def tiny_target_dir() -> Path:
     from specforge_dspark.tiny_target import build
 
     return build(REPO / ".cache" / "tiny_target", log=lambda *a: None)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir() -> Path:
+    """The tiny Qwen3 target at .cache/tiny_qwen3 (what SGLang's CPU engine serves)."""
+    from specforge_dspark.tiny_target import build
+
+    return build(REPO / ".cache" / "tiny_qwen3", arch="qwen3", log=lambda *a: None)
+
+
+@pytest.fixture(scope="session")
+def sglang_server(tiny_qwen3_dir, tmp_path_factory):
+    """One live CPU SGLang server for the tiny Qwen3 target, shared by the session's
+    tests (aux layers 0, 1, 2; fp32; whole prefills). Yields its base URL."""
+    from tests.live_sglang import LiveServer
+
+    with LiveServer(tiny_qwen3_dir, tmp_path_factory.mktemp("sglang")) as server:
+        yield server

@@ -1,8 +1,11 @@
-"""The sglang backend's client against a fake server on 127.0.0.1 (no GPU, no sglang).
+"""The sglang backend's failure handling, against a fake server on 127.0.0.1.
 
-The fake speaks SGLang's `/health_generate` and `/generate` and hands the request
-through our plugin hook (`append_prefill_hidden_states`) with fake scheduler objects,
-as the real scheduler would: all of a batch's rows in one flat tensor with offsets.
+The real server's features are checked in tests/test_sglang_live.py. This fake exists
+to inject what a real server does rarely (stalls, HTTP errors, a missing plugin, rows
+out of order): it speaks SGLang's `/health_generate` and `/generate` and hands the
+request through our plugin hook (`append_prefill_hidden_states`) with stand-in
+scheduler objects laid out as SGLang 0.5.23's: a batch's rows in one flat tensor with
+offsets, a split prefill as one call per chunk (middle chunks with store=False).
 """
 
 from __future__ import annotations
@@ -15,10 +18,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from specforge_dspark.engines.sglang import launch_args, request_body
+from specforge_dspark.engines.sglang_plugin import append_prefill_hidden_states
 from specforge_dspark.recipe import load_recipe, recipe_from_dict
 from specforge_dspark.stream import FeatureStream
-from specforge_dspark.engines.sglang import launch_args, request_body
-from specforge_dspark.engines.sglang_plugin import append_prefill_hidden_states, fail, parse_rid
 
 H, LAYERS = 128, [0, 1, 2]  # the tiny target's hidden size
 
@@ -36,7 +39,7 @@ class Mode:
 
 
 class FakeServer:
-    """behaviour: ok | stall | http500 | noplugin | chunked"""
+    """behaviour: ok | stall | http500 | noplugin | chunked | gap"""
 
     def __init__(self):
         self.behaviour = "ok"
@@ -80,19 +83,30 @@ class FakeServer:
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def schedule(self, body: dict) -> None:
-        """One extend batch: flat rows, then the per-request hidden-state handler."""
-        feats = [fake_features(ids) for ids in body["input_ids"]]
+        """Extend batches as SGLang runs them: flat rows, then the per-request handler.
+
+        chunked: every sequence is prefilled in two chunks, two batches (the first
+        with the middle chunks); gap: the second chunk claims to start one row late."""
+        seqs = body["input_ids"]
+        if self.behaviour not in ("chunked", "gap"):
+            self._extend(body["rid"], seqs, [(0, len(ids)) for ids in seqs], middle=False)
+            return
+        cut = [max(1, len(ids) // 2) for ids in seqs]
+        self._extend(body["rid"], seqs, [(0, c) for c in cut], middle=True)
+        late = 1 if self.behaviour == "gap" else 0
+        rest = [(c + late, len(ids)) for c, ids in zip(cut, seqs, strict=True)]
+        self._extend(body["rid"], seqs, rest, middle=False)
+
+    @staticmethod
+    def _extend(rids, seqs, spans, middle: bool) -> None:
+        feats = [fake_features(ids[lo:hi]) for ids, (lo, hi) in zip(seqs, spans, strict=True)]
         out = SimpleNamespace(
             hidden_states=torch.cat([a for a, _ in feats]),
             last_hidden_states=torch.cat([h for _, h in feats]),
         )
         offset = 0
-        for rid, ids in zip(body["rid"], body["input_ids"], strict=True):
-            req = SimpleNamespace(rid=rid, inflight_middle_chunks=0)
-            if self.behaviour == "chunked":
-                ticket, path = parse_rid(rid)
-                fail(path, ticket, "server split the sequence into prefill chunks")
-                continue
+        for rid, (lo, hi) in zip(rids, spans, strict=True):
+            req = SimpleNamespace(rid=rid, inflight_middle_chunks=int(middle), extend_end=hi)
             offset = append_prefill_hidden_states(
                 None,
                 None,
@@ -100,10 +114,10 @@ class FakeServer:
                 logits_output=out,
                 hidden_state_offset=offset,
                 capture_hidden_mode=Mode.full,
-                extend_input_len=len(ids),
-                store=True,
+                extend_input_len=hi - lo,
+                store=not middle,
             )
-        assert self.behaviour == "chunked" or offset == out.hidden_states.shape[0]
+        assert offset == out.hidden_states.shape[0]
 
     def close(self):
         self.release.set()
@@ -138,7 +152,9 @@ class S:
         self.sample_id, self.input_ids, self.loss_mask = sid, list(range(3, 3 + n)), [1] * n
 
 
-def test_features_arrive_through_shared_memory(server, tiny_target_dir):
+@pytest.mark.parametrize("behaviour", ["ok", "chunked"])
+def test_features_arrive_through_shared_memory(server, tiny_target_dir, behaviour):
+    server.behaviour = behaviour  # chunked: each sequence arrives in two prefill chunks
     batches = [[S(1, 5), S(2, 9)], [S(3, 4)], [S(4, 12), S(5, 2)]]
     with FeatureStream(sglang_recipe(tiny_target_dir, server.url)) as stream:
         got = [
@@ -171,7 +187,7 @@ def test_stalled_server_hits_the_request_timeout(server, tiny_target_dir):
     [
         ("http500", r"failed on batch \d+ .*HTTP 500"),
         ("noplugin", r"answered batch \d+ .* but wrote no features: is specforge_dspark"),
-        ("chunked", r"could not capture batch \d+ .*prefill chunks"),
+        ("gap", r"could not capture batch \d+ .*rows \[3, 5\) of 5 after only 2 were written"),
     ],
 )
 def test_server_failures_name_the_server_and_the_cause(server, tiny_target_dir, behaviour, message):
@@ -240,3 +256,16 @@ def test_request_body_shape():
     body = request_body(["a", "b"], [[1, 2], [3]])
     assert body["rid"] == ["a", "b"] and body["input_ids"] == [[1, 2], [3]]
     assert body["return_hidden_states"] is True and body["stream"] is False
+
+
+def test_cpu_engine_launch_args_take_server_args_overrides(tiny_target_dir):
+    recipe = sglang_recipe(tiny_target_dir, None, device="cpu")
+    recipe.target.sglang.server_args = {"max_total_tokens": 2048, "chunked_prefill_size": 64}
+    args = launch_args(recipe)
+    assert args.count("--max-total-tokens") == 1
+    assert args[args.index("--max-total-tokens") + 1] == "2048"
+    assert args[args.index("--chunked-prefill-size") + 1] == "64"
+    assert args[args.index("--device") + 1] == "cpu" and "--sleep-on-idle" in args
+    assert "--disable-overlap-schedule" in args and args[args.index("--dtype") + 1] == "float32"
+    recipe.target.device = "cuda"  # a GPU server gets none of the CPU-engine defaults
+    assert "--device" not in launch_args(recipe) and "--sleep-on-idle" not in launch_args(recipe)

@@ -15,12 +15,17 @@ import pytest
 import torch
 
 from specforge_dspark.capture import batched, capture
-from specforge_dspark.recipe import recipe_from_dict
-from specforge_dspark.stream import FeatureStream
-from specforge_dspark.engines.features import Sample, pad_batch
+from specforge_dspark.engines.features import (
+    Sample,
+    pad_batch,
+    read_target_config,
+    tap_convention,
+)
 from specforge_dspark.engines.hf import HFTarget, worker_threads
 from specforge_dspark.engines.offline import ShardWriter, target_fingerprint
 from specforge_dspark.engines.shm import FILE_PREFIX, SHM_DIR, sweep_stale_slots
+from specforge_dspark.recipe import recipe_from_dict
+from specforge_dspark.stream import FeatureStream
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -191,7 +196,11 @@ def test_sigterm_unwinds_the_stream_and_restores_the_handler(tmp_path, tiny_targ
     samples = make_samples([8, 9])
     writer = ShardWriter(
         tmp_path / "cap",
-        {"weights_hash": target_fingerprint(tiny_target_dir), "hidden_size": 128},
+        {
+            "weights_hash": target_fingerprint(tiny_target_dir),
+            "hidden_size": 128,
+            "tap": tap_convention(read_target_config(tiny_target_dir)),
+        },
         [0, 1, 2],
         "float32",
     )

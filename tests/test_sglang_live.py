@@ -1,0 +1,181 @@
+"""The sglang backend against a real SGLang server on this CPU (SGLang's CPU engine).
+
+Features from the live server equal the hf backend's; a prefill that SGLang splits into
+chunks still arrives whole; 30 training steps give the same losses on either backend;
+a server killed mid-run fails the job within 30 s naming the server, and `--resume
+auto` then finishes with the losses and weights of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from specforge_dspark.engines.features import Sample
+from specforge_dspark.stream import FeatureStream
+from tests.live_sglang import LiveServer, free_port, tiny_sglang_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 30
+
+
+def _batches(lengths: list[list[int]], seed: int = 0) -> list[list[Sample]]:
+    g = torch.Generator().manual_seed(seed)
+    out, sid = [], 0
+    for group in lengths:
+        batch = []
+        for n in group:
+            ids = torch.randint(10, 1000, (n,), generator=g)
+            batch.append(Sample(sid, ids, torch.ones(n, dtype=torch.long)))
+            sid += 1
+        out.append(batch)
+    return out
+
+
+def _collect(recipe, batches) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    with FeatureStream(recipe) as stream:
+        return [
+            (f.lengths.clone(), f.aux_hidden.clone(), f.last_hidden.clone())
+            for f in stream.iterate(batches)
+        ]
+
+
+def _hf_recipe(target_dir: Path):
+    recipe = tiny_sglang_recipe(target_dir)
+    recipe.target.backend = "hf"
+    return recipe
+
+
+def _max_diff(got, want) -> float:
+    worst = 0.0
+    for (lengths, aux, last), (_, aux_ref, last_ref) in zip(got, want, strict=True):
+        worst = max(worst, (aux - aux_ref).abs().max().item(), (last - last_ref).abs().max().item())
+        for b, n in enumerate(lengths.tolist()):
+            assert aux[b, n:].abs().sum() == 0 and last[b, n:].abs().sum() == 0, "padding rows"
+    return worst
+
+
+def test_live_server_features_equal_the_hf_backend(sglang_server, tiny_qwen3_dir):
+    batches = _batches([[37, 5, 120], [64], [9, 200, 1]])
+    live = _collect(tiny_sglang_recipe(tiny_qwen3_dir, url=sglang_server.url), batches)
+    ref = _collect(_hf_recipe(tiny_qwen3_dir), batches)
+    diff = _max_diff(live, ref)
+    start = sglang_server.start_seconds
+    print(f"live SGLang vs hf features: max abs diff {diff:.3g} (server start {start:.0f}s)")
+    assert diff <= 1e-5  # fp32; values reach ~10, kernels see other batch shapes
+
+
+@pytest.fixture(scope="module")
+def chunked_server(tiny_qwen3_dir, tmp_path_factory):
+    """A server whose prefill budget is 32 tokens a batch: most sequences are split."""
+    with LiveServer(
+        tiny_qwen3_dir, tmp_path_factory.mktemp("chunked"), chunked_prefill_size=32
+    ) as s:
+        yield s
+
+
+def test_split_prefills_arrive_whole(chunked_server, tiny_qwen3_dir):
+    batches = _batches([[70, 33], [150], [8, 95, 41], [260]], seed=1)
+    recipe = tiny_sglang_recipe(tiny_qwen3_dir, url=chunked_server.url)
+    live = _collect(recipe, batches)  # prefetch 3: requests of several batches in flight
+    ref = _collect(_hf_recipe(tiny_qwen3_dir), batches)
+    assert _max_diff(live, ref) <= 1e-5  # a chunk attends to its prefix through the KV cache
+    log = chunked_server.log_path.read_text()
+    chunks = [int(n) for n in re.findall(r"Prefill batch, #new-seq: \d+, #new-token: (\d+)", log)]
+    sequences = sum(len(b) for b in batches) + 1  # + the start-up probe
+    assert len(chunks) > sequences and max(chunks) <= 32, "the server did not split prefills"
+
+
+# --------------------------------------------------------------------------- training
+
+
+def _train(out: Path, backend: str, *extra: str, wait: bool = True):
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_port", str(free_port()), "train.py", "--recipe", "recipes/tiny_cpu_sglang.yaml",
+        f"train.output_dir={out}", f"train.max_steps={STEPS}", "train.log_interval=1",
+        "train.eval_interval=0", "checkpoint.save_interval=10", "checkpoint.keep_last=3",
+        "data.max_rows=96", "data.max_length=160", "objective.num_anchors=16",
+        "objective.chunk_size=8", "tracking.enabled=false", "export.formats=[sglang]",
+        f"target.backend={backend}", *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "job.log", "w")  # the child keeps its own descriptor
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    if wait:
+        proc.wait(timeout=600)
+    return proc
+
+
+def _losses(out: Path) -> dict[int, float]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return {m["step"]: m["loss"] for m in map(json.loads, lines) if "loss" in m}
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    ckpt = out / "ckpt" / f"step-{STEPS}" / "mp_rank_00_model_states.pt"
+    return torch.load(ckpt, weights_only=False)["module"]
+
+
+@pytest.fixture(scope="module")
+def runs(sglang_server, tmp_path_factory):
+    base = tmp_path_factory.mktemp("live_train")
+    hf = _train(base / "hf", "hf", "--resume", "none")
+    assert hf.returncode == 0, (base / "hf" / "job.log").read_text()[-3000:]
+    attached = _train(
+        base / "sglang", "sglang", "--resume", "none", f"target.sglang.url={sglang_server.url}"
+    )
+    assert attached.returncode == 0, (base / "sglang" / "job.log").read_text()[-3000:]
+    return base
+
+
+@pytest.mark.slow
+def test_thirty_steps_on_the_live_server_match_the_hf_backend(runs):
+    hf, live = _losses(runs / "hf"), _losses(runs / "sglang")
+    assert sorted(hf) == sorted(live) == list(range(1, STEPS + 1))
+    for step in hf:
+        assert live[step] == pytest.approx(hf[step], rel=1e-5), f"step {step}"
+
+
+@pytest.mark.slow
+def test_killed_server_fails_fast_and_the_run_resumes_exactly(runs, sglang_server):
+    out, port = runs / "killed", free_port()
+    job = _train(out, "sglang", "--resume", "none", f"target.sglang.port={port}", wait=False)
+    deadline = time.monotonic() + 400  # the trainer starts its own server first
+    while not (out / "metrics.jsonl").is_file() or max(_losses(out), default=0) < 12:
+        assert job.poll() is None, (out / "job.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the run did not reach step 12"
+        time.sleep(0.1)
+    server_pid = int(
+        subprocess.check_output(["pgrep", "-f", f"sglang.launch_server.*--port {port}"]).split()[0]
+    )
+    os.killpg(server_pid, signal.SIGKILL)  # the server and its scheduler, detokenizer
+    killed_at = time.monotonic()
+    job.wait(timeout=120)
+    took = time.monotonic() - killed_at
+    text = (out / "job.log").read_text()
+    assert job.returncode != 0
+    assert f"sglang server http://127.0.0.1:{port}" in text, text[-3000:]
+    assert took <= 30, f"the job took {took:.1f}s to fail after the server died"
+    print(f"killed server: job failed {took:.1f}s later")
+
+    resumed = _train(out, "sglang", "--resume", "auto", f"target.sglang.url={sglang_server.url}")
+    assert resumed.returncode == 0, (out / "job.log").read_text()[-3000:]
+    assert "resumed from" in (out / "job.log").read_text()
+    want, got = _losses(runs / "sglang"), _losses(out)
+    assert sorted(got) == sorted(want)
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), f"step {step}"
+    a, b = _weights(runs / "sglang"), _weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
