@@ -226,11 +226,13 @@ def build(recipe: Recipe, resume: str | None) -> Run:
 
     head_dtype = torch.bfloat16 if recipe.target.dtype == "bfloat16" else torch.float32
     head = load_frozen_head(recipe.target.path, device=device, dtype=head_dtype)
-    draft = (
-        DSparkDraft.from_pretrained(recipe.draft.init_from)
-        if recipe.draft.init_from
-        else DSparkDraft(DSparkConfig.from_recipe(recipe.draft))
-    )
+    if recipe.draft.init_from:  # same slot, tap, layer ids, mask and vocab as this run
+        from specforge_dspark.export import check_conventions
+
+        check_conventions(recipe.draft.init_from, recipe)
+        draft = DSparkDraft.from_pretrained(recipe.draft.init_from)
+    else:
+        draft = DSparkDraft(DSparkConfig.from_recipe(recipe.draft))
     _check_head_matches(recipe, head)
     o = recipe.optim
     opt = torch.optim.AdamW(

@@ -61,12 +61,12 @@ def check_pair(drafter: Drafter, target: HFTarget) -> None:
 
 
 def head_fns(head) -> tuple[Callable, Callable]:
-    """(embed_fn, logits_fn) of a frozen head; logits cropped to its logical vocabulary,
-    which is what `DSparkDraft.propose` expects (the target never emits a padded row)."""
-    vocab = getattr(head, "logical_vocab", None)
-    if vocab is None:
-        return head.embed, head.logits
-    return head.embed, lambda h: head.logits(h)[..., :vocab]
+    """(embed_fn, logits_fn) of a frozen head. The draft's logits are NOT cropped to the
+    logical vocabulary: SGLang 0.5.23's DSpark draft takes its argmax over every LM-head
+    row (`models/dspark.py` crops only to `lm_head.org_vocab_size`, the padded row count
+    for Inkling), so a padded row can be drafted (and is always rejected) when served. The
+    target's greedy choice stays over its logical rows (see hf_target.py)."""
+    return head.embed, head.logits
 
 
 def check_lossless(spec: list[int], ref: list[int], where: str) -> None:
@@ -98,8 +98,12 @@ def run_workload(
     embed_fn: Callable,
     logits_fn: Callable,
     log: Callable[[str], None] = print,
+    *,
+    logical_vocab: int | None = None,
 ) -> tuple[dict, list[Generation]]:
-    """Decode the workload's prompts both ways; returns its statistics and generations."""
+    """Decode the workload's prompts both ways; returns its statistics and generations.
+    `logical_vocab`: the tokens the target emits (drafts at or above it are counted as
+    padded-row drafts; None = not counted)."""
     G = int(drafter.config.block_size)
     gens: list[Generation] = []
     plain_s = 0.0
@@ -123,14 +127,15 @@ def run_workload(
                 }
             )
     steps: list[Step] = [s for g in gens for s in g.steps]
-    stats = step_stats(steps, G)
+    stats = step_stats(steps, G, logical_vocab)
     tokens = sum(len(g.tokens) for g in gens)
     spec_s = sum(g.seconds for g in gens)
     stats.update(lossless=True, prompts=len(conversations))
     stats.update(_speed(len(gens), tokens, plain_s, spec_s))
     log(
         f"{workload.name}: {len(gens)} generations, {tokens} tokens, {len(steps)} steps, "
-        f"accept length {_fmt(stats['accept_length'])}, lossless"
+        f"accept length {_fmt(stats['accept_length'])}, "
+        f"padded drafts {_fmt(stats['padded_draft_rate'])}, lossless"
     )
     return stats, gens
 
@@ -178,7 +183,8 @@ def evaluate(
 ) -> dict:
     """Evaluate `draft` on `workloads` (built-in names or name=path:field); returns summary.
 
-    `head` (with `.embed` and `.logits`) defaults to `load_frozen_head(target_path)`.
+    `head` (with `.embed` and `.logits`, and `.logical_vocab` for `padded_draft_rate`)
+    defaults to `load_frozen_head(target_path)`.
     """
     if num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
@@ -193,6 +199,10 @@ def evaluate(
     names = [w.name for w in parsed]
     if len(set(names)) != len(names):
         raise ValueError(f"--workloads: a workload name is given twice in {names}")
+    if isinstance(draft, (str, Path)):  # an export made for another target: refuse it
+        from specforge_dspark.export import check_conventions
+
+        check_conventions(draft, target_path=target_path)
     drafter = load_drafter(draft, device, DTYPES[dtype])
     G = int(drafter.config.block_size)
     layer_ids = list(drafter.config.target_layer_ids)
@@ -203,18 +213,27 @@ def evaluate(
 
         head = load_frozen_head(target_path, device=device, dtype=DTYPES[dtype])
     embed_fn, logits_fn = head_fns(head)
+    logical_vocab = getattr(head, "logical_vocab", None)
     target.greedy(render(target.tokenizer, [{"role": "user", "content": "hi"}]), 2)  # warm-up
 
     per_workload: dict[str, dict] = {}
     all_steps: list[Step] = []
     for workload in parsed:
         stats, gens = run_workload(
-            target, drafter, workload, num_prompts, max_new_tokens, embed_fn, logits_fn, log
+            target,
+            drafter,
+            workload,
+            num_prompts,
+            max_new_tokens,
+            embed_fn,
+            logits_fn,
+            log,
+            logical_vocab=logical_vocab,
         )
         per_workload[workload.name] = stats
         all_steps.extend(s for g in gens for s in g.steps)
 
-    overall = step_stats(all_steps, G)  # pooled over verify steps: draft-weighted
+    overall = step_stats(all_steps, G, logical_vocab)  # pooled over verify steps
     overall["lossless"] = all(w["lossless"] for w in per_workload.values())
     overall.update(_pooled_speed(per_workload.values()))
     lengths = [w["accept_length"] for w in per_workload.values() if w["accept_length"] is not None]
@@ -228,6 +247,7 @@ def evaluate(
         "cache_mode": cache_mode,
         "device": device,
         "dtype": dtype,
+        "logical_vocab": logical_vocab,
         "workloads": per_workload,
         "overall": overall,
         "macro_accept_length": sum(lengths) / len(lengths) if lengths else None,

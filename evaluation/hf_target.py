@@ -78,7 +78,9 @@ class HFTarget:
     def _forward(self, ids: list[int], cache) -> list[int]:
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         out = self.model(input_ids=x, past_key_values=cache, use_cache=True)
-        # the model's logits are already cropped to the logical vocabulary
+        # the target's greedy choice over the rows it serves: transformers' Inkling crops its
+        # logits to unpadded_vocab_size (as SGLang's Inkling LogitsProcessor does); a Qwen3
+        # model returns all rows (and SGLang crops Qwen3 only to config.vocab_size, all rows)
         return out.logits[0].argmax(-1).tolist()
 
     def _forward_aux(self, ids: list[int], cache) -> Forward:

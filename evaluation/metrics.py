@@ -5,6 +5,10 @@
   1 + sum(per_position) = mean(accepted + 1) (equal to accept_length when no final step
   was cut by end-of-turn or max-new-tokens).
 - accept_length_hist[c]: number of steps that committed c tokens (c = 1..G+1).
+- padded_draft_rate: drafted tokens whose id >= the logical vocabulary / all drafted
+  tokens (None when the logical vocabulary is not given or nothing was drafted). The
+  draft's argmax runs over every LM-head row, as SGLang serves it; a padded-row draft is
+  never accepted, so it cuts its block there.
 - calibration: sigmoid(confidence_k) against whether slot k was accepted, over the slots
   the verifier actually judged with a correct prefix (k <= accepted, k < G): the
   conditional acceptance that the confidence head is trained on and that serving
@@ -86,9 +90,13 @@ def auroc(conf: list[float], label: list[int]) -> float | None:
     return (rank_pos - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg))
 
 
-def step_stats(steps: list[Step], G: int) -> dict:
+def step_stats(steps: list[Step], G: int, logical_vocab: int | None = None) -> dict:
     """Acceptance statistics of a pool of verify steps (one workload, or all of them)."""
     n = len(steps)
+    drafted = sum(len(s.drafts) for s in steps)
+    padded = None
+    if logical_vocab is not None:
+        padded = sum(t >= logical_vocab for s in steps for t in s.drafts)
     committed = sum(s.committed for s in steps)
     hist = [0] * (G + 2)
     for s in steps:
@@ -101,6 +109,9 @@ def step_stats(steps: list[Step], G: int) -> dict:
         "accept_length_uncut": sum(s.accepted + 1 for s in steps) / n if n else None,
         "per_position": [sum(s.accepted > k for s in steps) / n if n else 0.0 for k in range(G)],
         "accept_length_hist": {str(c): hist[c] for c in range(1, G + 2)},
+        "drafted_tokens": drafted,
+        "padded_drafts": padded,
+        "padded_draft_rate": padded / drafted if padded is not None and drafted else None,
         "calibration": {
             "pairs": len(conf),
             "ece": ece(conf, label),

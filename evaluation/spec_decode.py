@@ -4,7 +4,8 @@ Legend: G block size, S committed tokens with hidden states (= ctx_len), H hidde
 
 One verify step, with the bonus token b at position S (not yet in the target's cache):
   drafter: block [b, MASK*(G-1)] at positions S..S+G-1 over context < S -> drafts d_0..d_{G-1}
-           (slot k drafts position S+k+1)
+           (slot k drafts position S+k+1; argmax over ALL LM-head rows, as SGLang's DSpark
+           draft takes it, so a padded row the target never emits can be drafted)
   target:  forward [b, d_0..d_{G-1}] -> greedy t_0..t_G (t_k is the token at S+k+1)
   accept:  n = longest prefix with d_k == t_k; commit t_0..t_n (n drafts + 1 new token),
            keep b, d_0..d_{n-1} in the cache and their aux features as new context.
@@ -50,6 +51,7 @@ class Step:
     accepted: int  # drafts the verifier accepted, 0..G
     committed: int  # tokens appended to the output, 1..accepted+1
     confidence: list[float]  # sigmoid of the G confidence logits ([] without a head)
+    drafts: list[int] = field(default_factory=list)  # the G drafted token ids
 
 
 @dataclass
@@ -104,7 +106,7 @@ def speculative_generate(
             n += 1
         new, done = _cut(t[: n + 1], target.eos_ids, max_new_tokens - len(gen.tokens))
         conf = [] if conf_G is None else torch.sigmoid(conf_G.float().reshape(-1)).tolist()
-        gen.steps.append(Step(accepted=n, committed=len(new), confidence=conf))
+        gen.steps.append(Step(accepted=n, committed=len(new), confidence=conf, drafts=drafts))
         gen.tokens.extend(new)
         if done:
             break

@@ -171,7 +171,7 @@ class MarkovHead(nn.Module):
         return e_BNGR, torch.stack(z, dim=2)
 
     def bias(self, z_TR: torch.Tensor, vocab: int) -> torch.Tensor:
-        """W2 z over the first `vocab` columns (the logical vocab when the caller crops)."""
+        """W2 z over the first `vocab` columns (all LM-head rows unless a caller crops)."""
         return F.linear(z_TR, self.markov_w2.weight[:vocab])
 
 

@@ -1,7 +1,8 @@
 """Serving export: a trained DSpark draft as an SGLang or a vLLM (`speculators`) checkpoint.
 
     python -m specforge_dspark.export --checkpoint RUN/ckpt/step-N --format sglang --out DIR
-    python -m specforge_dspark.export --checkpoint DIR --format speculators --out DIR
+    python -m specforge_dspark.export --checkpoint DIR --format speculators --out DIR \
+        [--speculators-vocab full|reduced]
 
 `--checkpoint` is a training step directory (`step-N/` with DeepSpeed's files,
 train_state.json and the COMPLETE marker), a checkpoint root holding step directories
@@ -13,10 +14,13 @@ SGLang 0.5.23 (`--speculative-algorithm DSPARK`; `models/dspark.py`, `models/dfl
 `speculative/dspark_components/dspark_config.py`): `DSparkDraft.save_pretrained`, i.e.
 `DSparkConfig.to_dict()` (architectures ["Qwen3DSparkModel"], model_type "qwen3", DSpark
 keys at the root and in dflash_config) and the draft's own tensor names. `load_weights`
-packs q/k/v_proj into `qkv_proj` and gate/up_proj into `gate_up_proj` itself.
+packs q/k/v_proj into `qkv_proj` and gate/up_proj into `gate_up_proj` itself. SGLang
+divides `h` by the target's muP multiplier itself (`compute_base_logits`), so this layout
+stores the trained weights unchanged.
 
 speculators 0.9.0 (`speculators.models.dspark`: `DSparkSpeculatorConfig`,
-`DSparkDraftModel`, loaded by `SpeculatorModel.from_pretrained`):
+`DSparkDraftModel`, loaded by `SpeculatorModel.from_pretrained`; paths below are under
+site-packages/speculators/):
 - config: `speculators_model_type` "dspark", `speculators_config` (algorithm "dspark", one
   greedy proposal with speculative_tokens = G, the verifier's name and architectures),
   `transformer_layer_config` (Qwen3, vocab_size = LM-head rows, the size of the verifier
@@ -27,14 +31,57 @@ speculators 0.9.0 (`speculators.models.dspark`: `DSparkSpeculatorConfig`,
   (its DFlash converter applies the same +1).
 - tensor names: the SGLang names unchanged (same module tree: `fc`, `hidden_norm`,
   `layers.*`, `norm`, `markov_head.markov_w{1,2}`, `confidence_head.proj`). The verifier's
-  embedding and LM head are NOT stored: the loader reads them from the verifier by name.
-- reduced vocabulary, when the target's LM head has padded rows (logical < rows) or a muP
-  multiplier: `draft_vocab_size` = logical vocab, `t2d` (bool [rows], True for the first
-  `logical` ids), `d2t` (zeros [logical]: target id = draft id + d2t), `lm_head.weight` =
-  target LM head rows [:logical] / mult (speculators keeps a reduced head in the checkpoint
-  and has no muP setting, so the multiplier is folded in here), `markov_w2` cropped to its
-  first `logical` rows. Draft logits are then exactly ours (training uses the logical
-  columns only) and padded ids can never be proposed.
+  embedding is never stored: the loader reads it from the verifier by name.
+- vocabulary, `export.speculators_vocab` / `--speculators-vocab`:
+  "full" (default; what the published Inkling-Small DSpark drafter ships, and what we
+  train: the draft softmax covers every LM-head row, as SGLang serves it):
+  `draft_vocab_size` = LM-head rows, no `t2d`/`d2t`, `markov_w2` uncropped, no
+  `lm_head.weight`. speculators then treats the draft as full-vocab
+  (`use_draft_vocab = draft_vocab_size != verifier_vocab_size`, model.py:48; no t2d/d2t
+  buffers, model.py:51-55) and takes the LM head from the verifier itself: it reads
+  the verifier's `lm_head.weight` (model.py:156-166) and OVERWRITES the draft's
+  `lm_head` with it on every load (`overwrite_lm_head=not self.use_draft_vocab`,
+  models/dflash/core.py:171-176; model.py:182-185, called from `from_pretrained`,
+  model.py:396-398), and never saves one (models/dflash/core.py:158-160). A stored
+  `lm_head.weight` = head / mult would therefore be discarded on load.
+  speculators has no muP setting (no `mup`/`logit_scale` anywhere in the package): its
+  base logits are `lm_head(norm(x))` (models/dflash/core.py:468-469), and that same
+  normed `hidden` feeds the Markov head (gated/rnn) and the confidence head
+  (models/dspark/core.py:169-196). So the multiplier is folded into the draft's final
+  norm: `norm.weight / mult` (then `h' = h / mult` and `lm_head(h') = lm_head(h / mult)`,
+  our base logits), and every head that reads `h` gets its `h` input columns multiplied
+  by `mult` so it sees `h` again: `confidence_head.proj.weight[:, :H]`,
+  `markov_head.gate_proj.weight[:, :H]` (gated: input [h ; W1[prev]]),
+  `markov_head.joint_proj.weight[:, 2R:2R+H]` (rnn: input [s ; W1[prev] ; h]). Both
+  products are exact in bf16 for a power-of-two multiplier (Inkling's tiny target: 4);
+  otherwise each adds one rounding, the size of the bf16 export rounding itself. vLLM's
+  DSpark (upstream `vllm/model_executor/models/qwen3_dspark.py`, read from the public
+  source, not installed here) computes the same: without a stored `lm_head` it aliases
+  the target's LM head module (`load_dspark_model`), maps a draft vocab >= the target's
+  as the identity (no d2t), and scales base logits AND Markov bias by the draft config's
+  `logit_scale` (default 1.0, which we leave unset), never by the target's muP
+  multiplier, so the folded norm is what makes its logits ours.
+  "reduced" (for vLLM builds without the identity map for a full padded-vocab draft;
+  needs padded rows): `draft_vocab_size` = logical vocab, `t2d` (bool [rows], True for
+  the first `logical` ids), `d2t` (zeros [logical]: target id = draft id + d2t),
+  `lm_head.weight` = target LM head rows [:logical] / mult (speculators keeps a reduced
+  head in the checkpoint, models/dflash/core.py:147-160), `markov_w2` cropped to its first
+  `logical` rows. Its draft logits are ours on the logical columns; padded ids can never
+  be proposed.
+
+Conventions record (both layouts): config.json key `"specforge_dspark"` (SGLang's
+parser reads DSpark keys by name, `dspark_config.py` `parse_dspark_draft_config`, and
+transformers keeps unknown keys as attributes; speculators' config allows extra keys,
+config.py:252) holds what a server must agree with: `format_version`
+(CONVENTIONS_VERSION), `sample_from_anchor` + `slot_convention`, `tap_convention`
+(`engines.features.tap_convention` of the target's config.json), `layer_id_convention`
+with `target_layer_ids` / `aux_hidden_state_layer_ids` / `num_target_layers`,
+`mask_token_id`, `logical_vocab`, `vocab_rows` (LM-head rows), `mup_multiplier`, and how
+the multiplier is applied (`mup_folded_into`: null = by the server, "norm.weight",
+"lm_head.weight"); the speculators layout adds `speculators_vocab`. Target facts are
+null when exported without a target. Re-exporting a directory, or `check_conventions`
+on a directory a run starts from, refuses (ExportError naming the field and both
+values) a record that disagrees with the recipe / target at hand; null is not checked.
 """
 
 from __future__ import annotations
@@ -51,12 +98,37 @@ import torch
 from safetensors.torch import save_file
 
 from specforge_dspark import checkpoint
+from specforge_dspark.engines.features import tap_convention
+from specforge_dspark.frozen_head import _config_value, _logical_vocab, load_frozen_head
 from specforge_dspark.model import DSparkConfig, DSparkDraft
 from specforge_dspark.recipe import Recipe, recipe_from_dict, resolved_dirs
 
 FORMATS = ("sglang", "speculators")
+SPECULATORS_VOCABS = ("full", "reduced")
 SPECULATORS_VERSION = "0.9.0"
 """The speculators release whose loader this layout was checked against."""
+CONVENTIONS_KEY = "specforge_dspark"
+CONVENTIONS_VERSION = 1
+"""Version of the conventions record; a record of another version is refused."""
+SLOT_CONVENTION = "slot k of the block anchored at position a predicts token a+k+1"
+LAYER_ID_CONVENTION = (
+    "target_layer_ids: decoder layer k output (0-based); "
+    "aux_hidden_state_layer_ids: k+1 (hidden-states index, 0 = embeddings)"
+)
+CHECKED = (
+    "format_version",
+    "sample_from_anchor",
+    "slot_convention",
+    "tap_convention",
+    "layer_id_convention",
+    "target_layer_ids",
+    "num_target_layers",
+    "mask_token_id",
+    "logical_vocab",
+    "vocab_rows",
+    "mup_multiplier",
+)
+"""Conventions compared between a record and the recipe / target at hand."""
 
 
 class ExportError(ValueError):
@@ -74,28 +146,49 @@ def export_draft(
     verifier_name: str | None = None,
     target_path: str | Path | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    speculators_vocab: str = "full",
+    known: dict[str, Any] | None = None,
 ) -> Path:
     """Write one serving layout of a draft to `out_dir` (replaced whole); returns it.
 
     `cfg` may be None when a `DSparkDraft` is given. speculators needs `target_path` (the
     target directory: LM head, vocab and muP multiplier); `verifier_name` (what vLLM loads
-    as the verifier) defaults to its absolute path. `dtype` other than bf16 is for tests.
+    as the verifier) defaults to its absolute path; `speculators_vocab` is "full" or
+    "reduced" (module docstring). `known`: conventions already recorded for this draft
+    (checked against the target; they fill in what the target does not say). `dtype`
+    other than bf16 is for tests.
     """
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; expected one of {list(FORMATS)}")
+    if speculators_vocab not in SPECULATORS_VOCABS:
+        raise ExportError(
+            f"export.speculators_vocab (--speculators-vocab) is {speculators_vocab!r}; "
+            f"expected one of {list(SPECULATORS_VOCABS)}"
+        )
     draft = _as_draft(draft_or_state_dict, cfg)
+    record = conventions(draft.config, target_path)
+    if known:
+        _check(known, record, "the conventions recorded for this draft", f"target {target_path}")
+        record |= {k: known[k] for k, v in record.items() if v is None and k in known}
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:
         staging = Path(tmp) / "out"
         if fmt == "sglang":
             draft.save_pretrained(staging, dtype=dtype)
+            config_file = staging / "config.json"
+            config = json.loads(config_file.read_text())
+            config[CONVENTIONS_KEY] = {**record, "mup_folded_into": None}
+            config_file.write_text(json.dumps(config, indent=2) + "\n")
         else:
             if target_path is None:
                 raise ExportError(
                     "the speculators format needs the target directory (target_path / --target)"
                 )
-            tensors, config = speculators_layout(draft, target_path, verifier_name, dtype)
+            tensors, config = speculators_layout(
+                draft, target_path, verifier_name, dtype, speculators_vocab
+            )
+            config[CONVENTIONS_KEY] = {**record, **config[CONVENTIONS_KEY]}
             _write(staging, tensors, config)
         if out.exists():
             shutil.rmtree(out)
@@ -109,17 +202,33 @@ def export_checkpoint(
     out_dir: str | Path,
     target_path: str | Path | None = None,
     verifier_name: str | None = None,
+    speculators_vocab: str | None = None,
 ) -> Path:
     """Export a training checkpoint (or an exported SGLang directory) as `fmt`.
 
-    For a training checkpoint the target and verifier name default to the recipe's
-    `target.path` and `export.verifier_name`.
+    For a training checkpoint the target, verifier name and speculators vocabulary default
+    to the recipe's `target.path`, `export.verifier_name` and `export.speculators_vocab`
+    (else "full"). The conventions the checkpoint records must agree with the target.
     """
     cfg, weights, recipe = read_checkpoint(ckpt_dir)
     if recipe is not None:
         target_path = target_path or recipe.target.path or None
         verifier_name = verifier_name or recipe.export.verifier_name or None
-    return export_draft(weights, cfg, out_dir, fmt, verifier_name, target_path)
+        speculators_vocab = speculators_vocab or recipe.export.speculators_vocab
+    known = recorded_conventions(ckpt_dir)
+    try:
+        return export_draft(
+            weights,
+            cfg,
+            out_dir,
+            fmt,
+            verifier_name,
+            target_path,
+            speculators_vocab=speculators_vocab or "full",
+            known=known,
+        )
+    except ExportError as e:
+        raise ExportError(f"--checkpoint {ckpt_dir}: {e}") from None
 
 
 def export_for_recipe(draft: DSparkDraft, recipe: Recipe) -> list[Path]:
@@ -135,9 +244,126 @@ def export_for_recipe(draft: DSparkDraft, recipe: Recipe) -> list[Path]:
             fmt,
             verifier_name=recipe.export.verifier_name or None,
             target_path=recipe.target.path or None,
+            speculators_vocab=recipe.export.speculators_vocab,
         )
         for fmt in recipe.export.formats
     ]
+
+
+# --------------------------------------------------------------------------- conventions
+
+
+def conventions(cfg: DSparkConfig, target_path: str | Path | None = None) -> dict[str, Any]:
+    """The conventions record (module docstring) of a draft served against a target; the
+    target's facts (tap, logical vocab, muP multiplier) are None without `target_path`.
+    Reads the target's config.json (and tokenizer.json), never its weights."""
+    record: dict[str, Any] = {
+        "format_version": CONVENTIONS_VERSION,
+        "sample_from_anchor": True,
+        "slot_convention": SLOT_CONVENTION,
+        "tap_convention": None,
+        "layer_id_convention": LAYER_ID_CONVENTION,
+        "target_layer_ids": list(cfg.target_layer_ids),
+        "aux_hidden_state_layer_ids": [k + 1 for k in cfg.target_layer_ids],
+        "num_target_layers": cfg.num_target_layers,
+        "mask_token_id": cfg.mask_token_id,
+        "logical_vocab": None,
+        "vocab_rows": cfg.vocab_size,
+        "mup_multiplier": None,
+    }
+    if target_path:
+        record |= _target_conventions(Path(target_path), cfg.vocab_size)
+    return record
+
+
+def _target_conventions(root: Path, vocab_rows: int | None) -> dict[str, Any]:
+    """tap, logical vocab and muP multiplier of a target, from its config.json (and
+    tokenizer.json); refuses a target whose LM-head rows are not `vocab_rows`."""
+    config_file = root / "config.json"
+    if not config_file.is_file():
+        raise ExportError(f"target {root}: no config.json")
+    config = json.loads(config_file.read_text())
+    rows = int(_config_value(config, "vocab_size") or vocab_rows)
+    if vocab_rows is not None and rows != vocab_rows:
+        raise ExportError(
+            f"vocab_rows: the target {root} has {rows} LM-head rows (config.json "
+            f"vocab_size), the draft has {vocab_rows}"
+        )
+    mult = _config_value(config, "logits_mup_width_multiplier")
+    return {
+        "tap_convention": tap_convention(config),
+        "logical_vocab": _logical_vocab(root, config, rows),
+        "mup_multiplier": 1.0 if mult is None else float(mult),
+    }
+
+
+def recorded_conventions(path: str | Path) -> dict[str, Any]:
+    """The conventions a drafter directory or training checkpoint records, as far as it
+    records them (absent = unknown). An export's `specforge_dspark` record, with the draft
+    fields its config root serves; a training checkpoint's recipe draft, with the tap of
+    its features fingerprint. {} for anything else."""
+    kind, resolved = _resolve(Path(path))
+    if kind == "training":
+        state_file = resolved / "train_state.json"
+        state = json.loads(state_file.read_text()) if state_file.is_file() else {}
+        if "recipe" not in state:
+            return {}
+        recipe = recipe_from_dict(state["recipe"], source=str(state_file))
+        record = conventions(DSparkConfig.from_recipe(recipe.draft))
+        features = (state.get("fingerprint") or {}).get("features") or {}
+        return record | {"tap_convention": features.get("tap_convention")}
+    if kind != "export":
+        return {}
+    config = json.loads((resolved / "config.json").read_text())
+    if "speculators_model_type" in config:
+        aux = config.get("aux_hidden_state_layer_ids")
+        served = {
+            "mask_token_id": config.get("mask_token_id"),
+            "target_layer_ids": None if aux is None else [k - 1 for k in aux],
+            "vocab_rows": (config.get("transformer_layer_config") or {}).get("vocab_size"),
+        }
+    else:  # the draft fields SGLang serves, from the config root
+        cfg = DSparkConfig.from_dict(config)
+        served = {
+            "target_layer_ids": cfg.target_layer_ids,
+            "num_target_layers": cfg.num_target_layers,
+            "mask_token_id": cfg.mask_token_id,
+            "vocab_rows": cfg.vocab_size,
+        }
+    served["sample_from_anchor"] = config.get("sample_from_anchor", True)
+    return (config.get(CONVENTIONS_KEY) or {}) | {k: v for k, v in served.items() if v is not None}
+
+
+def check_conventions(
+    path: str | Path, recipe: Recipe | None = None, target_path: str | Path | None = None
+) -> None:
+    """Refuse (ExportError naming the field and both values) a drafter directory or
+    training checkpoint whose recorded conventions disagree with `recipe` (its draft: slot,
+    layer ids, mask token, LM-head rows; its target: tap, logical vocab, muP) or, without
+    a recipe, with the target at `target_path` (default: the recipe's `target.path`).
+    Call it before loading a drafter to train on (`draft.init_from`) or to evaluate.
+    """
+    recorded = recorded_conventions(path)
+    target = target_path or (recipe.target.path if recipe is not None else None) or None
+    if recipe is not None:
+        want = conventions(DSparkConfig.from_recipe(recipe.draft), target)
+        here = f"recipe {recipe.source or '<dict>'}"
+    else:
+        want = (
+            {} if target is None else _target_conventions(Path(target), recorded.get("vocab_rows"))
+        )
+        here = f"target {target}"
+    _check(recorded, want, str(path), here)
+
+
+def _check(recorded: dict[str, Any], want: dict[str, Any], there: str, here: str) -> None:
+    for key in CHECKED:
+        got, expected = recorded.get(key), want.get(key)
+        if got is not None and expected is not None and got != expected:
+            raise ExportError(
+                f"conventions: {key} is {got!r} in {there} but {expected!r} for {here}; "
+                "it was made for a different target or draft setting"
+            )
 
 
 # --------------------------------------------------------------------------- reading
@@ -149,6 +375,27 @@ def read_checkpoint(
     """(config, fp32 weights, recipe or None) of a training step, a checkpoint root or an
     exported SGLang directory. An incomplete training checkpoint is refused."""
     path = Path(ckpt_dir)
+    kind, resolved = _resolve(path)
+    if kind == "training":
+        return _read_training_step(resolved)
+    if kind == "export":
+        if "speculators_model_type" in json.loads((resolved / "config.json").read_text()):
+            raise ExportError(
+                f"--checkpoint {path}: a speculators export cannot be read back (its "
+                "norm.weight or lm_head.weight carries the folded muP multiplier); export "
+                "the training checkpoint or the SGLang export instead"
+            )
+        draft = DSparkDraft.from_pretrained(resolved)
+        return draft.config, draft.state_dict(), None
+    raise ExportError(
+        f"--checkpoint {path}: neither a training checkpoint (step-N with train_state.json), "
+        "a checkpoint root, nor an exported SGLang directory (config.json + model.safetensors)"
+    )
+
+
+def _resolve(path: Path) -> tuple[str, Path]:
+    """("training", step dir) | ("export", dir) | ("unknown", path); refuses incomplete
+    training checkpoints and roots without a complete one."""
     if not path.is_dir():
         raise ExportError(f"--checkpoint {path}: no such directory")
     if _is_training_step(path):
@@ -157,19 +404,15 @@ def read_checkpoint(
                 f"--checkpoint {path}: incomplete checkpoint (no {checkpoint.MARKER} marker: "
                 "the save was interrupted or is still running); export a complete one"
             )
-        return _read_training_step(path)
+        return "training", path
     if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
-        draft = DSparkDraft.from_pretrained(path)
-        return draft.config, draft.state_dict(), None
+        return "export", path
     if checkpoint.list_checkpoints(path):
         latest = checkpoint.latest_complete(path)
         if latest is None:
             raise ExportError(f"--checkpoint {path}: no complete step-N checkpoint in it")
-        return _read_training_step(latest)
-    raise ExportError(
-        f"--checkpoint {path}: neither a training checkpoint (step-N with train_state.json), "
-        "a checkpoint root, nor an exported SGLang directory (config.json + model.safetensors)"
-    )
+        return "training", latest
+    return "unknown", path
 
 
 def _is_training_step(path: Path) -> bool:
@@ -248,10 +491,10 @@ def speculators_layout(
     target_path: str | Path,
     verifier_name: str | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    vocab: str = "full",
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The tensors and config.json of the speculators layout (module docstring)."""
-    from specforge_dspark.frozen_head import load_frozen_head
-
+    """The tensors and config.json of the speculators layout (module docstring); the
+    config's `specforge_dspark` entry holds only the layout's own fields."""
     cfg = draft.config
     target = Path(target_path)
     target_config = _text_config(target)
@@ -270,22 +513,29 @@ def speculators_layout(
     last = [k for k in cfg.target_layer_ids if k + 1 >= cfg.num_target_layers]
     if last:
         problems.append(f"target_layer_ids {last}: the last layer's output cannot be captured")
-    if mult != 1.0 and logical == rows:
+    if vocab == "reduced" and mult != 1.0 and logical == rows:
         problems.append(
-            f"the target has muP multiplier {mult} and no padded LM-head rows: speculators "
-            "0.9.0 can only carry the multiplier in a reduced-vocab LM head"
+            f"the target has muP multiplier {mult} and no padded LM-head rows: the reduced "
+            "vocabulary would be the full one, which carries no LM head; use "
+            "--speculators-vocab full (export.speculators_vocab: full)"
         )
     if problems:
         raise ExportError(f"speculators export against {target}: " + "; ".join(problems))
 
-    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in draft.state_dict().items()}
-    reduced = logical < rows
+    # fp32 arithmetic, one rounding to the export dtype
+    state = {k: v.detach().to("cpu", torch.float32) for k, v in draft.state_dict().items()}
+    reduced = vocab == "reduced" and logical < rows
     if reduced:
-        w2 = tensors["markov_head.markov_w2.weight"]
-        tensors["markov_head.markov_w2.weight"] = w2[:logical].contiguous()
-        # fp32 division, one rounding to the export dtype
-        lm_head = head.lm_head_weight[:logical].float() / mult
-        tensors["lm_head.weight"] = lm_head.to(dtype).contiguous()
+        state["markov_head.markov_w2.weight"] = state["markov_head.markov_w2.weight"][:logical]
+        state["lm_head.weight"] = head.lm_head_weight[:logical].float() / mult
+        folded = "lm_head.weight"
+    elif mult != 1.0:
+        _fold_mup_into_norm(state, cfg, mult)
+        folded = "norm.weight"
+    else:
+        folded = None
+    tensors = {k: v.to(dtype).contiguous() for k, v in state.items()}
+    if reduced:
         tensors["t2d"] = torch.arange(rows) < logical
         tensors["d2t"] = torch.zeros(logical, dtype=torch.long)
 
@@ -324,8 +574,28 @@ def speculators_layout(
         "confidence_head_with_markov": cfg.confidence_head_with_markov,
         "tie_word_embeddings": False,
         "dtype": str(dtype).removeprefix("torch."),
+        CONVENTIONS_KEY: {
+            "speculators_vocab": "reduced" if reduced else "full",
+            "mup_folded_into": folded,
+        },
     }
     return tensors, config
+
+
+def _fold_mup_into_norm(state: dict[str, torch.Tensor], cfg: DSparkConfig, mult: float) -> None:
+    """`h' = h / mult` out of the final norm; the heads reading `h` get its columns x mult."""
+    H, R = cfg.hidden_size, cfg.markov_rank
+    state["norm.weight"] = state["norm.weight"] / mult
+    h_columns = {
+        "confidence_head.proj.weight": slice(0, H),  # [h ; W1[prev]] or h
+        "markov_head.gate_proj.weight": slice(0, H),  # gated: [h ; W1[prev]]
+        "markov_head.joint_proj.weight": slice(2 * R, 2 * R + H),  # rnn: [s ; W1[prev] ; h]
+    }
+    for name, columns in h_columns.items():
+        if name in state:
+            w = state[name].clone()
+            w[:, columns] *= mult
+            state[name] = w
 
 
 def _qwen3_layer_config(cfg: DSparkConfig) -> dict[str, Any]:
@@ -387,10 +657,25 @@ def main(argv: list[str] | None = None) -> int:
         help="verifier recorded in the speculators config (default: export.verifier_name, "
         "else the target's absolute path)",
     )
+    parser.add_argument(
+        "--speculators-vocab",
+        default=None,
+        choices=SPECULATORS_VOCABS,
+        help="speculators draft vocabulary: full (every LM-head row, no t2d/d2t) or reduced "
+        "(logical vocab + t2d/d2t, for vLLM builds without the full-vocab identity map); "
+        "default: export.speculators_vocab, else full",
+    )
     args = parser.parse_args(argv)
+    if args.speculators_vocab and args.format != "speculators":
+        print(f"warning: --speculators-vocab is ignored by --format {args.format}", file=sys.stderr)
     try:
         out = export_checkpoint(
-            args.checkpoint, args.format, args.out, args.target, args.verifier_name
+            args.checkpoint,
+            args.format,
+            args.out,
+            args.target,
+            args.verifier_name,
+            args.speculators_vocab,
         )
     except ValueError as e:  # ExportError, RecipeError, bad config.json
         print(f"export failed: {e}", file=sys.stderr)

@@ -11,6 +11,15 @@ Shape legend
   V  LM-head rows (padded vocabulary)    L  logical vocabulary (tokens the target emits)
   M  slots of one chunk (C * G)
 
+Vocabulary (serve exactly what we train): SGLang's DSpark draft takes its argmax over ALL
+LM-head rows (`models/dspark.py` crops the draft's logits only to `lm_head.org_vocab_size`,
+which for Inkling is the padded row count), while the target's logits are cropped to the
+L logical tokens. So the draft's softmax, CE and L1 run over all V rows and the teacher is
+a softmax over the first L rows with probability exactly 0 on rows >= L: mass the draft
+puts on a padded row is penalised by L1 and CE, and the Markov head's padded rows of
+markov_w2 train (downwards). Metrics (alpha, top1, tau) use the draft's argmax over all
+V rows, as served.
+
 Slot convention (DSpark / SGLang): slot k of the block anchored at a predicts token a+k+1;
 its teacher is the target's LM head on last_hidden[a+k] (`FrozenHead.teacher_logits`:
 float32 output and softcap, as the target serves them); its Markov "previous" token is
@@ -24,6 +33,14 @@ Normalisation and gradient accumulation
   combined with EQUAL weight: the window's gradient is the mean over its micro-steps of
   the per-micro-step pooled means. DeepSpeed's `engine.backward` already divides by
   `gradient_accumulation_steps`; a plain-torch trainer calls `(loss / accum).backward()`.
+
+Teacher-forced accept length
+  `tau` averages over valid blocks b the greedy accept length 1 + sum_k prod_{i<=k} a_{b,i},
+  a_{b,i} = 1 where the draft's argmax at slot i equals the teacher's (top1). A block only
+  counts while its slots are supervised: a slot outside the block's supervised prefix
+  (eval_mask False) counts as rejected, so a block with n supervised slots contributes at
+  most 1 + n. `tau_slot_mean` is the former value, 1 + sum_k prod_{i<=k} alpha_i with
+  alpha_i the per-slot MEAN acceptance probability over blocks (kept for one release).
 
 Memory
   Vocab-sized work runs one chunk of C blocks at a time inside `_FusedVocabLoss`, whose
@@ -167,50 +184,56 @@ class SlotTerms:
     calib_M: Tensor
     """|sigmoid(conf) - alpha|; NaN when the draft has no confidence head."""
     top1_M: Tensor
-    """1.0 where the draft's argmax is (one of) the teacher's argmax."""
-    dlogits_ML: Tensor | None
+    """1.0 where the draft's argmax over all V rows is (one of) the teacher's argmax."""
+    dlogits_MV: Tensor | None
     dconf_M: Tensor | None
 
 
-def _softmax_(x_ML: Tensor) -> Tensor:
-    """Softmax over the last dim in place (no vocab-sized allocation); returns logsumexp [M]."""
-    m_M1 = x_ML.amax(dim=-1, keepdim=True)
-    x_ML.sub_(m_M1).exp_()
-    s_M1 = x_ML.sum(dim=-1, keepdim=True)
-    x_ML.div_(s_M1)
+def _softmax_(x_MV: Tensor) -> Tensor:
+    """Softmax over the last dim in place (no vocab-sized allocation); returns logsumexp [M].
+    Entries of -inf (not all of a row) become exactly 0."""
+    m_M1 = x_MV.amax(dim=-1, keepdim=True)
+    x_MV.sub_(m_M1).exp_()
+    s_M1 = x_MV.sum(dim=-1, keepdim=True)
+    x_MV.div_(s_M1)
     return (m_M1 + s_M1.log()).squeeze(-1)
 
 
 def slot_terms_(
-    logits_ML: Tensor,
+    logits_MV: Tensor,
     conf_M: Tensor | None,
-    teacher_logits_ML: Tensor,
+    teacher_logits_MV: Tensor,
     labels_M: Tensor,
     coef_M: Tensor | None,
     obj: ObjectiveRecipe,
+    logical_vocab: int,
 ) -> SlotTerms:
     """CE, L1 (= 2 TV), alpha, BCE per slot, and the gradient of their weighted sum.
 
-    Both logit tensors are over the logical vocabulary only (padded rows never enter a
-    softmax) and are CONSUMED: used as scratch in place, so each vocab-sized step costs no
+    Both logit tensors span all V LM-head rows. The draft's softmax q runs over all of
+    them (SGLang's draft argmax does); the teacher's p over the first `logical_vocab` rows
+    only, with p = 0 exactly on the padded rows (the target never emits them). Both
+    tensors are CONSUMED: used as scratch in place, so each vocab-sized step costs no
     allocation. Softmaxes run in (at least) float32. With `coef_M` (slot weight times the
     normaliser) given, also returns the gradient of
-    sum_M coef * (ce_w*CE + l1_w*L1 + bce_w*BCE) wrt logits_ML and conf_M:
+    sum_M coef * (ce_w*CE + l1_w*L1 + bce_w*BCE) wrt logits_MV and conf_M:
       dCE/dz = q - onehot(y);  dL1/dz = q * (s - <s, q>), s = sign(q - p);
       dBCE/dconf = sigmoid(conf) - alpha  (alpha is a detached soft label).
+    On a padded row p = 0, so s = +1 there and both gradients push its logit down.
     """
-    f = torch.promote_types(logits_ML.dtype, torch.float32)
+    f = torch.promote_types(logits_MV.dtype, torch.float32)
     with torch.no_grad():
-        p_ML = teacher_logits_ML.to(f)
-        _softmax_(p_ML)
-        z_ML = logits_ML.detach().to(f)
-        z_y_M = z_ML.gather(1, labels_M[:, None]).squeeze(1)
-        top_M1 = z_ML.max(dim=-1, keepdim=True).indices
-        ce_M = _softmax_(z_ML) - z_y_M
-        q_ML = z_ML
-        top1_M = (p_ML.gather(1, top_M1).squeeze(1) >= p_ML.amax(dim=-1)).to(f)
-        d_ML = torch.sub(q_ML, p_ML, out=p_ML)  # q - p, in p's storage
-        l1_M = torch.linalg.vector_norm(d_ML, ord=1, dim=-1)
+        p_MV = teacher_logits_MV.to(f)
+        p_MV[:, logical_vocab:] = -math.inf  # exp(-inf) = 0: no teacher mass on padded rows
+        _softmax_(p_MV)
+        z_MV = logits_MV.detach().to(f)
+        z_y_M = z_MV.gather(1, labels_M[:, None]).squeeze(1)
+        top_M1 = z_MV.max(dim=-1, keepdim=True).indices  # over all rows, as served
+        ce_M = _softmax_(z_MV) - z_y_M
+        q_MV = z_MV
+        top1_M = (p_MV.gather(1, top_M1).squeeze(1) >= p_MV.amax(dim=-1)).to(f)
+        d_MV = torch.sub(q_MV, p_MV, out=p_MV)  # q - p, in p's storage
+        l1_M = torch.linalg.vector_norm(d_MV, ord=1, dim=-1)
         alpha_M = (1.0 - 0.5 * l1_M).clamp(0.0, 1.0)
         if conf_M is None:
             bce_M = torch.zeros_like(l1_M)
@@ -219,20 +242,20 @@ def slot_terms_(
             c_M = conf_M.detach().to(f)
             bce_M = F.binary_cross_entropy_with_logits(c_M, alpha_M, reduction="none")
             calib_M = (torch.sigmoid(c_M) - alpha_M).abs()
-        dlogits_ML = dconf_M = None
+        dlogits_MV = dconf_M = None
         if coef_M is not None:
             c_ce_M1 = (obj.ce_weight * coef_M.to(f))[:, None]
             c_l1_M1 = (obj.l1_weight * coef_M.to(f))[:, None]
-            s_ML = d_ML.sign_()
-            sq_M1 = torch.einsum("ml,ml->m", s_ML, q_ML)[:, None]
+            s_MV = d_MV.sign_()
+            sq_M1 = torch.einsum("mv,mv->m", s_MV, q_MV)[:, None]
             # q * (c_l1 * (s - <s,q>) + c_ce) - c_ce * onehot(y), in s's storage
-            s_ML.mul_(c_l1_M1).add_(c_ce_M1 - c_l1_M1 * sq_M1).mul_(q_ML)
-            s_ML.scatter_add_(1, labels_M[:, None], -c_ce_M1)
-            dlogits_ML = s_ML.to(logits_ML.dtype)
+            s_MV.mul_(c_l1_M1).add_(c_ce_M1 - c_l1_M1 * sq_M1).mul_(q_MV)
+            s_MV.scatter_add_(1, labels_M[:, None], -c_ce_M1)
+            dlogits_MV = s_MV.to(logits_MV.dtype)
             if conf_M is not None:
                 dconf_M = obj.bce_weight * coef_M.to(f) * (torch.sigmoid(c_M) - alpha_M)
                 dconf_M = dconf_M.to(conf_M.dtype)
-    return SlotTerms(ce_M, l1_M, alpha_M, bce_M, calib_M, top1_M, dlogits_ML, dconf_M)
+    return SlotTerms(ce_M, l1_M, alpha_M, bce_M, calib_M, top1_M, dlogits_MV, dconf_M)
 
 
 # --------------------------------------------------------------------------- fused vocab part
@@ -304,34 +327,36 @@ def _vocab_chunk(
 ) -> tuple[Tensor, tuple[Tensor | None, ...] | None]:
     """Statistics [6, C, G] of the blocks `sl` and, when training, the gradients of their
     loss wrt h_CGH and `params`. No vocab-sized tensor outlives the call."""
-    head, L, G = plan.head, plan.head.logical_vocab, h_CGH.shape[1]
+    head, V, G = plan.head, plan.head.vocab_rows, h_CGH.shape[1]
     # [1, C, G, H] with canonical strides (slice, then unsqueeze): F.linear folds it into one
     # matrix product; x[None, sl] would keep the stride of the unsliced tensor on the new
     # dim, and matmul then falls back to a batched product, several times slower.
     h_1CGH = h_CGH.unsqueeze(0).detach().requires_grad_(plan.need_grads)
     with torch.enable_grad():
-        base_1CGL = head.logits(h_1CGH)[..., :L]
+        base_1CGV = head.logits(h_1CGH)  # all rows: SGLang's draft does not crop them
         prev_1CG = plan.prev_XG[sl].unsqueeze(0)
-        logits_1CGL, conf_1CG = plan.draft.apply_heads(h_1CGH, base_1CGL, prev_1CG)
-    del base_1CGL
+        logits_1CGV, conf_1CG = plan.draft.apply_heads(h_1CGH, base_1CGV, prev_1CG)
+    del base_1CGV
     with torch.no_grad():
-        # float32 output and softcap: the target's served logits (see frozen_head.py)
-        teacher_1CGL = head.teacher_logits(plan.teacher_h_XGH[sl].unsqueeze(0))[..., :L]
-    # logits_1CGL is scratch for slot_terms_: nothing saved its value for backward (it is
+        # float32 output and softcap: the target's served logits (see frozen_head.py);
+        # slot_terms_ keeps its first logical_vocab rows
+        teacher_1CGV = head.teacher_logits(plan.teacher_h_XGH[sl].unsqueeze(0))
+    # logits_1CGV is scratch for slot_terms_: nothing saved its value for backward (it is
     # the output of an addition), so overwriting it is safe.
     t = slot_terms_(
-        logits_1CGL.view(-1, L),
+        logits_1CGV.view(-1, V),
         None if conf_1CG is None else conf_1CG.reshape(-1),
-        teacher_1CGL.reshape(-1, L),
+        teacher_1CGV.reshape(-1, V),
         plan.labels_XG[sl].reshape(-1),
         plan.coef_XG[sl].reshape(-1) if plan.need_grads else None,
         plan.obj,
+        head.logical_vocab,
     )
     stats_6CG = torch.stack((t.ce_M, t.l1_M, t.alpha_M, t.bce_M, t.calib_M, t.top1_M))
     stats_6CG = stats_6CG.view(6, -1, G)
     if not plan.need_grads:
         return stats_6CG, None
-    outs, grad_outs = [logits_1CGL], [t.dlogits_ML.view_as(logits_1CGL)]
+    outs, grad_outs = [logits_1CGV], [t.dlogits_MV.view_as(logits_1CGV)]
     if conf_1CG is not None:
         outs.append(conf_1CG)
         grad_outs.append(t.dconf_M.view_as(conf_1CG))
@@ -359,8 +384,11 @@ class LossOutput:
 
     Metrics (detached): loss, ce, l1, bce (0-d; the pooled weighted means whose rank-average
     gradient the ranks' `loss` produce); alpha, top1, ce_k, conf_err ([G]; means over
-    supervised slots at position k, NaN where there is none); tau (0-d, from alpha);
-    valid_blocks, supervised_slots, weight_sum, sequences_skipped (0-d counts).
+    supervised slots at position k, NaN where there is none); tau (0-d, the per-block
+    greedy accept length averaged over valid blocks, see the module docstring; NaN
+    without a block) and tau_slot_mean (0-d, the former value from the mean alpha; kept
+    for one release); valid_blocks, supervised_slots, weight_sum, sequences_skipped (0-d
+    counts).
     """
 
     loss: Tensor
@@ -429,6 +457,11 @@ def compute_loss_at(
     cfg = draft.config
     G = cfg.block_size
     B, S = input_ids_BS.shape
+    if head.vocab_rows != cfg.vocab_size:
+        raise ValueError(
+            f"draft.vocab_size={cfg.vocab_size} but the target's LM head has "
+            f"{head.vocab_rows} rows: the Markov head must cover every row the draft serves"
+        )
     pooled = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(group) if pooled else 1
     skipped = int((~block_valid_BN.any(dim=1)).sum())
@@ -502,6 +535,14 @@ def compute_loss_at(
     return LossOutput(loss=loss, metrics=metrics)
 
 
+def accepted_drafts(top1_BNG: Tensor, eval_mask_BNG: Tensor) -> Tensor:
+    """Teacher-forced greedy accept count of each block [B, N] (long): its leading slots
+    whose draft argmax is the teacher's (top1 > 0.5), a slot outside the block's supervised
+    prefix counting as rejected. The block's accept length is this + 1."""
+    accept_BNG = (top1_BNG > 0.5) & eval_mask_BNG
+    return accept_BNG.long().cumprod(dim=-1).sum(dim=-1)
+
+
 def _metrics(
     stats_6BNG: Tensor,
     bl: Blocks,
@@ -518,11 +559,12 @@ def _metrics(
     # unnormalised sums of w * term; summed over ranks and divided by the pooled W below
     _, terms_3 = _weighted_terms(stats, bl.weight_BNG, obj)
     per_k = [torch.where(bl.eval_mask_BNG, stats[i], 0.0).sum(dim=(0, 1)) for i in (2, 5, 0, 4)]
-    counts = stats.new_tensor([float(bl.block_valid_BN.sum()), float(skipped)])
+    accepted = float(accepted_drafts(stats[5], bl.eval_mask_BNG).sum())
+    counts = stats.new_tensor([float(bl.block_valid_BN.sum()), float(skipped), accepted])
     packed = torch.cat([terms_3, mask_BNG.sum(dim=(0, 1)), *per_k, counts])
     if pooled:
         dist.all_reduce(packed, group=group)
-    terms_3, n_G, alpha_G, top1_G, ce_G, calib_G, counts = packed.split([3, G, G, G, G, G, 2])
+    terms_3, n_G, alpha_G, top1_G, ce_G, calib_G, counts = packed.split([3, G, G, G, G, G, 3])
     terms_3 = terms_3 / weight_sum.clamp_min(1e-12)
     w_3 = terms_3.new_tensor([obj.ce_weight, obj.l1_weight, obj.bce_weight])
     alpha_G = alpha_G / n_G
@@ -535,7 +577,8 @@ def _metrics(
         "top1": top1_G / n_G,
         "ce_k": ce_G / n_G,
         "conf_err": calib_G / n_G,
-        "tau": 1.0 + alpha_G.cumprod(dim=0).sum(),
+        "tau": 1.0 + counts[2] / counts[0],  # NaN without a valid block
+        "tau_slot_mean": 1.0 + alpha_G.cumprod(dim=0).sum(),
         "valid_blocks": counts[0],
         "supervised_slots": n_G.sum(),
         "weight_sum": weight_sum.detach(),

@@ -205,6 +205,10 @@ class ExportRecipe:
     """Defaults to <train.output_dir>/export."""
     verifier_name: str = ""
     """Name of the target recorded in the speculators config (defaults to target.path)."""
+    speculators_vocab: Literal["full", "reduced"] = "full"
+    """speculators (vLLM) draft vocabulary: "full" = every LM-head row, no t2d/d2t (what
+    training covers); "reduced" = the logical vocabulary with t2d/d2t and a stored LM
+    head, for vLLM builds that cannot serve a full padded-vocab draft as the identity."""
 
 
 @dataclass

@@ -18,6 +18,7 @@ import torch
 from evaluation import acceptance
 from evaluation.acceptance import LosslessError, evaluate, head_fns, main, run_workload
 from evaluation.hf_target import HFTarget
+from evaluation.metrics import step_stats
 from evaluation.prompts import parse_workload, render
 from evaluation.spec_decode import speculative_generate
 from specforge_dspark.engines.features import AuxTap
@@ -222,7 +223,7 @@ class RepeatDrafter(ScriptedDrafter):
 
 def test_evaluate_writes_consistent_reports(tiny_target_dir, tmp_path, shared_data):
     out = tmp_path / "eval"
-    head = SimpleNamespace(embed=_no_head, logits=_no_head)
+    head = SimpleNamespace(embed=_no_head, logits=_no_head, logical_vocab=1024)
     summary = evaluate(
         tiny_target_dir,
         RepeatDrafter(),
@@ -245,7 +246,10 @@ def test_evaluate_writes_consistent_reports(tiny_target_dir, tmp_path, shared_da
         assert stats["new_tokens"] == stats["committed_tokens"] + stats["generations"]
         assert sum(stats["accept_length_hist"].values()) == stats["steps"]
         assert len(stats["per_position"]) == G
+        assert stats["drafted_tokens"] == G * stats["steps"]
+        assert stats["padded_draft_rate"] == 0.0  # it drafts bonus tokens: all logical
     overall = on_disk["overall"]
+    assert overall["padded_draft_rate"] == 0.0 and on_disk["logical_vocab"] == 1024
     assert overall["steps"] == sum(w["steps"] for w in wl.values())
     pooled = sum(w["committed_tokens"] for w in wl.values()) / overall["steps"]
     assert overall["accept_length"] == pytest.approx(pooled)
@@ -258,7 +262,8 @@ def test_evaluate_writes_consistent_reports(tiny_target_dir, tmp_path, shared_da
         assert int(row["steps"]) == stats["steps"]
     for name in ("per_position.png", "calibration.png", "accept_length_hist.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| gsm8k |" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "| gsm8k |" in report and "padded drafts" in report
 
 
 def test_mt_bench_second_turn_follows_the_targets_first_answer(target, shared_data, wrong):
@@ -329,6 +334,42 @@ def test_untrained_dspark_draft_is_lossless(target, tiny_target_dir, prompts, re
             gen = speculative_generate(target, draft, ids, max_new, embed_fn, logits_fn)
             assert gen.tokens == full[:max_new]
             assert all(len(s.confidence) == G for s in gen.steps)
+
+
+def test_accounting_counts_padded_drafts(target, prompts, references, wrong):
+    """`wrong` is a padded row: the partial drafter drafts it in every slot it gets wrong."""
+    ids, (_, uncut) = prompts[1], references[1]
+    drafter = ScriptedDrafter(ids + uncut, wrong, DRAFTERS["partial"])
+    gen = speculative_generate(target, drafter, ids, 30, _no_head, _no_head)
+    logical = target.model.config.unpadded_vocab_size
+    stats = step_stats(gen.steps, G, logical)
+    n_wrong = sum(G - min(DRAFTERS["partial"](i), G) for i in range(len(gen.steps)))
+    assert stats["padded_drafts"] == n_wrong > 0
+    assert stats["padded_draft_rate"] == n_wrong / (G * len(gen.steps))
+
+
+def test_harness_drafts_over_all_lm_head_rows_as_served(target, tiny_target_dir, prompts):
+    """A draft whose Markov head lifts a padded row above every logical one drafts that row
+    (SGLang takes the draft's argmax over all LM-head rows); the target never accepts it,
+    decoding stays lossless and padded_draft_rate counts it. Cropping the draft's logits
+    (what the harness did before) would hide it."""
+    head = load_frozen_head(tiny_target_dir)
+    padded_row = head.vocab_rows - 1
+    assert padded_row >= head.logical_vocab
+    draft = _random_draft(target)
+    with torch.no_grad():
+        draft.markov_head.markov_w1.weight.zero_()[:, 0] = 1.0  # every prev token
+        draft.markov_head.markov_w2.weight.zero_()[padded_row, 0] = 1000.0
+    embed_fn, logits_fn = head_fns(head)
+    ids = prompts[0]
+    gen = speculative_generate(target, draft, ids, 12, embed_fn, logits_fn)
+    assert gen.tokens == target.greedy(ids, 12)
+    assert all(s.drafts == [padded_row] * G and s.accepted == 0 for s in gen.steps)
+    assert step_stats(gen.steps, G, head.logical_vocab)["padded_draft_rate"] == 1.0
+    cropped = speculative_generate(
+        target, draft, ids, 12, embed_fn, lambda h: head.logits(h)[..., : head.logical_vocab]
+    )
+    assert step_stats(cropped.steps, G, head.logical_vocab)["padded_draft_rate"] == 0.0
 
 
 def _bigram_draft(target: HFTarget, sequences: list[list[int]]) -> DSparkDraft:

@@ -39,12 +39,17 @@ def test_ece_by_hand():
 def test_step_stats_exact():
     G = 3
     steps = [
-        Step(accepted=3, committed=4, confidence=[0.9, 0.8, 0.7]),
-        Step(accepted=1, committed=2, confidence=[0.6, 0.5, 0.4]),
-        Step(accepted=0, committed=1, confidence=[0.3, 0.2, 0.1]),
-        Step(accepted=2, committed=1, confidence=[0.9, 0.9, 0.9]),  # final step, cut by eos
+        Step(accepted=3, committed=4, confidence=[0.9, 0.8, 0.7], drafts=[5, 6, 7]),
+        Step(accepted=1, committed=2, confidence=[0.6, 0.5, 0.4], drafts=[8, 10, 9]),
+        Step(accepted=0, committed=1, confidence=[0.3, 0.2, 0.1], drafts=[11, 12, 3]),
+        Step(accepted=2, committed=1, confidence=[0.9, 0.9, 0.9], drafts=[1, 2, 3]),  # eos cut
     ]
-    s = step_stats(steps, G)
+    s = step_stats(steps, G, logical_vocab=10)
+    assert (s["drafted_tokens"], s["padded_drafts"]) == (12, 3)  # ids 10, 11, 12
+    assert s["padded_draft_rate"] == 3 / 12
+    unknown = step_stats(steps, G)
+    assert unknown["padded_drafts"] is None and unknown["padded_draft_rate"] is None
+    assert step_stats([], G, logical_vocab=10)["padded_draft_rate"] is None
     assert s["steps"] == 4 and s["committed_tokens"] == 8
     assert s["accept_length"] == 2.0
     assert s["accept_length_uncut"] == (4 + 2 + 1 + 3) / 4

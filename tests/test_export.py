@@ -4,6 +4,7 @@ weight loaders, and (speculators) its own forward pass against ours."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -45,8 +46,9 @@ def bf16_rounded(draft: DSparkDraft) -> DSparkDraft:
     return copy
 
 
-def our_logits(draft, head, aux_1SD, ids_1S, anchors_1N):
-    """Teacher-forced draft logits over the logical vocab and confidence, as in training."""
+def our_logits(draft, head, aux_1SD, ids_1S, anchors_1N, vocab: int | None = None):
+    """Teacher-forced draft logits and confidence, as in training: over all LM-head rows,
+    or over the first `vocab` columns."""
     S, N, G = ids_1S.shape[1], anchors_1N.shape[1], draft.config.block_size
     valid = torch.ones(1, N, dtype=torch.bool)
     blocks = build_blocks(
@@ -56,7 +58,7 @@ def our_logits(draft, head, aux_1SD, ids_1S, anchors_1N):
     with torch.no_grad():
         ctx = draft.context(aux_1SD)
         h = draft(ctx, torch.arange(S)[None], head.embed(blocks.ids_BNG), blocks.pos_BNG, visible)
-        base = head.logits(h)[..., : head.logical_vocab]
+        base = head.logits(h)[..., :vocab]
         return draft.apply_heads(h, base, blocks.prev_BNG)
 
 
@@ -279,13 +281,22 @@ def speculators_logits(model, aux_1SD, ids_1S, anchors: list[int]):
     return (logits.view(N, G, -1) + bias)[None], conf[None]
 
 
-def test_speculators_export_loads_in_speculators_and_matches_our_logits(tmp_path, tiny_target_dir):
+@pytest.mark.parametrize("vocab", ["full", "reduced"])
+def test_speculators_export_loads_in_speculators_and_matches_our_logits(
+    tmp_path, tiny_target_dir, vocab
+):
     cfg = target_draft_config(tiny_target_dir)
     draft = trained(cfg, seed=1)
-    sglang_dir = export.export_draft(draft, cfg, tmp_path / "sglang", "sglang")
-    # the re-export path: SGLang directory -> speculators
+    sglang_dir = export.export_draft(
+        draft, cfg, tmp_path / "sglang", "sglang", target_path=tiny_target_dir
+    )
+    # the re-export path: SGLang directory -> speculators ("full" by default)
     out = export.export_checkpoint(
-        sglang_dir, "speculators", tmp_path / "spec", target_path=tiny_target_dir
+        sglang_dir,
+        "speculators",
+        tmp_path / "spec",
+        target_path=tiny_target_dir,
+        speculators_vocab=None if vocab == "full" else vocab,
     )
     raw = json.loads((out / "config.json").read_text())
     assert raw["speculators_model_type"] == "dspark" and raw["sample_from_anchor"] is True
@@ -297,20 +308,48 @@ def test_speculators_export_loads_in_speculators_and_matches_our_logits(tmp_path
         "name_or_path": str(tiny_target_dir.resolve()),
         "architectures": ["InklingForCausalLM"],
     }
-    # the padded 1088-row head: reduced to the 1024 ids the target can emit
-    assert raw["draft_vocab_size"] == 1024 and raw["transformer_layer_config"]["vocab_size"] == 1088
+    assert raw["transformer_layer_config"]["vocab_size"] == 1088
+    stored, trained_bf16 = (
+        load_file(str(out / "model.safetensors")),
+        load_file(str(sglang_dir / "model.safetensors")),
+    )
+    H, R = cfg.hidden_size, cfg.markov_rank
+    head = load_frozen_head(tiny_target_dir)
+    assert (head.vocab_rows, head.logical_vocab, head.mup_multiplier) == (1088, 1024, 4.0)
+    if vocab == "full":  # every LM-head row; speculators reads the verifier's head itself
+        assert raw["draft_vocab_size"] == 1088
+        assert stored.keys() == trained_bf16.keys()  # no t2d, d2t or lm_head
+        assert stored["markov_head.markov_w2.weight"].shape == (1088, R)
+        # muP 4 folded into the final norm, the confidence head's h columns compensated
+        # (a power of two: exact in bf16)
+        assert torch.equal(stored["norm.weight"], trained_bf16["norm.weight"] / 4)
+        conf, conf_trained = (t["confidence_head.proj.weight"] for t in (stored, trained_bf16))
+        assert torch.equal(conf[:, :H], conf_trained[:, :H] * 4)
+        assert torch.equal(conf[:, H:], conf_trained[:, H:])
+        assert raw[export.CONVENTIONS_KEY]["mup_folded_into"] == "norm.weight"
+        columns = None
+    else:  # the 1024 ids the target can emit, the head / mup stored
+        assert raw["draft_vocab_size"] == 1024
+        assert stored["t2d"].sum() == 1024 and stored["t2d"][:1024].all()
+        assert torch.equal(stored["d2t"], torch.zeros(1024, dtype=torch.long))
+        assert stored["markov_head.markov_w2.weight"].shape == (1024, R)
+        assert torch.equal(stored["norm.weight"], trained_bf16["norm.weight"])
+        assert raw[export.CONVENTIONS_KEY]["mup_folded_into"] == "lm_head.weight"
+        # The LM head is stored in bf16 (mup 4 is a power of two: the fold is exact).
+        head = FrozenHead(head.embed_weight, head.lm_head_weight.bfloat16().float(), 1024, 4.0)
+        columns = 1024
+    assert raw[export.CONVENTIONS_KEY]["speculators_vocab"] == vocab
 
     model = load_in_speculators(out)
-    head = load_frozen_head(tiny_target_dir)
-    assert (head.logical_vocab, head.mup_multiplier) == (1024, 4.0)
-    # The export stores the LM head in bf16 (mup 4 is a power of two: the fold is exact).
-    head = FrozenHead(head.embed_weight, head.lm_head_weight.bfloat16().float(), 1024, 4.0)
+    if vocab == "full":
+        assert torch.equal(model.lm_head.weight, head.lm_head_weight)  # the verifier's
     anchors = [2, 7, 11]
     aux, ids, anchors_1N = inputs(cfg, 20, anchors)
     want, want_conf = our_logits(
-        DSparkDraft.from_pretrained(sglang_dir), head, aux, ids, anchors_1N
+        DSparkDraft.from_pretrained(sglang_dir), head, aux, ids, anchors_1N, columns
     )
     got, got_conf = speculators_logits(model, aux, ids, anchors)
+    assert got.shape[-1] == (1088 if vocab == "full" else 1024)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got_conf, want_conf, rtol=1e-4, atol=1e-4)
 
@@ -334,16 +373,22 @@ def plain_target(path: Path, cfg: DSparkConfig, mup: float | None) -> Path:
     return path
 
 
-def test_speculators_export_of_an_unpadded_target_uses_the_verifier_head(tmp_path):
-    cfg = DSparkConfig(**TINY)
+@pytest.mark.parametrize(
+    "mup, markov_head_type", [(None, "vanilla"), (2.0, "vanilla"), (2.0, "gated"), (2.0, "rnn")]
+)
+def test_speculators_export_of_an_unpadded_target_uses_the_verifier_head(
+    tmp_path, mup, markov_head_type
+):
+    cfg = DSparkConfig(**{**TINY, "markov_head_type": markov_head_type})
     draft = trained(cfg, seed=2)
-    target = plain_target(tmp_path / "target", cfg, mup=None)
+    target = plain_target(tmp_path / "target", cfg, mup=mup)
     out = export.export_draft(draft, cfg, tmp_path / "spec", "speculators", "org/t", target)
     raw = json.loads((out / "config.json").read_text())
     assert raw["draft_vocab_size"] == cfg.vocab_size
     assert raw["speculators_config"]["verifier"]["name_or_path"] == "org/t"
     stored = load_file(str(out / "model.safetensors"))
     assert stored.keys() == draft.state_dict().keys()  # exactly the SGLang names
+    assert raw[export.CONVENTIONS_KEY]["mup_folded_into"] == (mup and "norm.weight")
 
     raw["speculators_config"]["verifier"]["name_or_path"] = str(target)  # load it locally
     (out / "config.json").write_text(json.dumps(raw))
@@ -351,21 +396,42 @@ def test_speculators_export_of_an_unpadded_target_uses_the_verifier_head(tmp_pat
     anchors = [0, 5, 9]
     aux, ids, anchors_1N = inputs(cfg, 16, anchors)
     head = load_frozen_head(target)
+    # with muP, speculators sees lm_head(norm'(x)) with norm' = norm / mup: our logits, and
+    # the gated / rnn Markov heads and the confidence head see h again
     want, want_conf = our_logits(bf16_rounded(draft), head, aux, ids, anchors_1N)
     got, got_conf = speculators_logits(model, aux, ids, anchors)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got_conf, want_conf, rtol=1e-4, atol=1e-4)
 
-    with pytest.raises(export.ExportError, match="muP multiplier"):
+
+def test_speculators_export_refusals(tmp_path):
+    cfg = DSparkConfig(**TINY)
+    draft = trained(cfg, seed=2)
+    mup_target = plain_target(tmp_path / "mup", cfg, mup=2.0)
+    with pytest.raises(export.ExportError, match="muP multiplier 2.0 and no padded"):
         export.export_draft(
             draft,
             cfg,
             tmp_path / "x",
             "speculators",
-            target_path=plain_target(tmp_path / "mup", cfg, mup=2.0),
+            target_path=mup_target,
+            speculators_vocab="reduced",
+        )
+    with pytest.raises(export.ExportError, match="speculators_vocab"):
+        export.export_draft(
+            draft,
+            cfg,
+            tmp_path / "x",
+            "speculators",
+            target_path=mup_target,
+            speculators_vocab="pruned",
         )
     with pytest.raises(export.ExportError, match="target directory"):
         export.export_draft(draft, cfg, tmp_path / "x", "speculators")
+    spec = export.export_draft(draft, cfg, tmp_path / "spec", "speculators", target_path=mup_target)
+    with pytest.raises(export.ExportError, match="speculators export cannot be read back"):
+        export.export_checkpoint(spec, "sglang", tmp_path / "x")
+    assert not (tmp_path / "x").exists()
 
 
 def test_export_for_recipe_writes_every_configured_format(tmp_path, tiny_target_dir):
@@ -379,14 +445,176 @@ def test_export_for_recipe_writes_every_configured_format(tmp_path, tiny_target_
         tmp_path / "run" / "export" / "speculators",
     ]
     assert DSparkDraft.from_pretrained(dirs[0]).config == cfg
-    assert json.loads((dirs[1] / "config.json").read_text())["speculators_model_type"] == "dspark"
+    raw = json.loads((dirs[1] / "config.json").read_text())
+    assert raw["speculators_model_type"] == "dspark" and raw["draft_vocab_size"] == 1088
+    recipe.export.speculators_vocab = "reduced"
+    recipe.export.formats = ["speculators"]
+    (out,) = export.export_for_recipe(trained(cfg), recipe)
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 1024
+
+
+# --------------------------------------------------------------------------- conventions
+
+
+def draft_recipe_of(cfg: DSparkConfig) -> DraftRecipe:
+    return DraftRecipe(
+        **{
+            f.name: getattr(cfg, f.name)
+            for f in dataclasses.fields(DraftRecipe)
+            if hasattr(cfg, f.name)
+        }
+    )
+
+
+def target_variant(root: Path, target: Path, **changes) -> Path:
+    """The target with a changed config.json (its other files linked)."""
+    root.mkdir()
+    for f in target.iterdir():
+        if f.name != "config.json":
+            (root / f.name).symlink_to(f.resolve())
+    config = json.loads((target / "config.json").read_text()) | changes
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
+TINY_INKLING_CONVENTIONS = {
+    "format_version": 1,
+    "sample_from_anchor": True,
+    "slot_convention": "slot k of the block anchored at position a predicts token a+k+1",
+    "tap_convention": "pre_mlp_sconv",
+    "layer_id_convention": "target_layer_ids: decoder layer k output (0-based); "
+    "aux_hidden_state_layer_ids: k+1 (hidden-states index, 0 = embeddings)",
+    "target_layer_ids": [0, 2],
+    "aux_hidden_state_layer_ids": [1, 3],
+    "num_target_layers": 4,
+    "mask_token_id": 9,
+    "logical_vocab": 1024,
+    "vocab_rows": 1088,
+    "mup_multiplier": 4.0,
+}
+
+
+def test_both_exports_record_the_conventions_and_their_loaders_accept_them(
+    tmp_path, tiny_target_dir
+):
+    cfg = target_draft_config(tiny_target_dir)
+    draft = trained(cfg)
+    sglang_dir = export.export_draft(draft, cfg, tmp_path / "sg", "sglang", None, tiny_target_dir)
+    spec_dir = export.export_draft(
+        draft, cfg, tmp_path / "sp", "speculators", None, tiny_target_dir
+    )
+    sg = json.loads((sglang_dir / "config.json").read_text())[export.CONVENTIONS_KEY]
+    sp = json.loads((spec_dir / "config.json").read_text())[export.CONVENTIONS_KEY]
+    assert sg == {**TINY_INKLING_CONVENTIONS, "mup_folded_into": None}
+    assert sp == {
+        **TINY_INKLING_CONVENTIONS,
+        "speculators_vocab": "full",
+        "mup_folded_into": "norm.weight",
+    }
+    # without a target, the target's facts are unknown (null), the draft's are recorded
+    bare = export.export_draft(draft, cfg, tmp_path / "bare", "sglang")
+    rec = json.loads((bare / "config.json").read_text())[export.CONVENTIONS_KEY]
+    assert rec["tap_convention"] is rec["logical_vocab"] is rec["mup_multiplier"] is None
+    assert rec["mask_token_id"] == 9 and rec["vocab_rows"] == 1088
+    # ... and re-exporting it with the target fills them in
+    again = export.export_checkpoint(bare, "sglang", tmp_path / "again", tiny_target_dir)
+    assert json.loads((again / "config.json").read_text())[export.CONVENTIONS_KEY] == sg
+    # ... and a re-export without a target keeps what the source recorded
+    kept = export.export_checkpoint(sglang_dir, "sglang", tmp_path / "kept")
+    assert json.loads((kept / "config.json").read_text())[export.CONVENTIONS_KEY] == sg
+
+    assert DSparkDraft.from_pretrained(sglang_dir).config == cfg
+    speculators = pytest.importorskip("speculators.models.dspark")
+    config = speculators.DSparkSpeculatorConfig.from_pretrained(spec_dir)
+    assert getattr(config, export.CONVENTIONS_KEY) == sp
+    hf_config = sglang("sglang.srt.utils.hf_transformers.config").get_config(
+        str(sglang_dir), trust_remote_code=False
+    )
+    spec = sglang("sglang.srt.speculative.dspark_components.dspark_config")
+    parsed = spec.parse_dspark_draft_config(draft_hf_config=hf_config)
+    assert (parsed.mask_token_id, parsed.target_layer_ids) == (9, [0, 2])
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"use_sconv": False}, "tap_convention is 'pre_mlp_sconv' in .* but 'layer_output'"),
+        ({"unpadded_vocab_size": 1000}, "logical_vocab is 1024 in .* but 1000"),
+        ({"logits_mup_width_multiplier": 2.0}, "mup_multiplier is 4.0 in .* but 2.0"),
+    ],
+)
+@pytest.mark.parametrize("fmt", ["sglang", "speculators"])
+def test_reexport_for_a_target_with_other_conventions_is_refused(
+    tmp_path, tiny_target_dir, change, message, fmt
+):
+    cfg = target_draft_config(tiny_target_dir)
+    made = export.export_draft(trained(cfg), cfg, tmp_path / "sg", "sglang", None, tiny_target_dir)
+    other = target_variant(tmp_path / "other", tiny_target_dir, **change)
+    with pytest.raises(export.ExportError, match=message):
+        export.export_checkpoint(made, fmt, tmp_path / "x", target_path=other)
+    assert (
+        export.main(
+            [
+                "--checkpoint",
+                str(made),
+                "--format",
+                fmt,
+                "--out",
+                str(tmp_path / "x"),
+                "--target",
+                str(other),
+            ]
+        )
+        == 2
+    )
+    assert not (tmp_path / "x").exists()
+
+
+def test_check_conventions_refuses_a_start_point_made_for_other_settings(tmp_path, tiny_target_dir):
+    cfg = target_draft_config(tiny_target_dir)
+    out = export.export_draft(trained(cfg), cfg, tmp_path / "sg", "sglang", None, tiny_target_dir)
+    recipe = Recipe(draft=draft_recipe_of(cfg))
+    recipe.target.path = str(tiny_target_dir)
+    export.check_conventions(out, recipe)  # agrees
+
+    recipe.draft.mask_token_id = 10
+    with pytest.raises(export.ExportError, match="mask_token_id is 9 in .* but 10"):
+        export.check_conventions(out, recipe)
+    recipe.draft.mask_token_id = 9
+    other = target_variant(tmp_path / "other", tiny_target_dir, use_sconv=False)
+    recipe.target.path = str(other)
+    with pytest.raises(export.ExportError, match="tap_convention"):
+        export.check_conventions(out, recipe)
+    recipe.target.path = str(tiny_target_dir)
+    # against a target alone (evaluation): only the target's facts
+    export.check_conventions(out, target_path=tiny_target_dir)
+    with pytest.raises(export.ExportError, match="tap_convention is 'pre_mlp_sconv' in .* but"):
+        export.check_conventions(out, target_path=other)
+
+    raw = json.loads((out / "config.json").read_text())
+    raw[export.CONVENTIONS_KEY]["format_version"] = 2
+    (out / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(export.ExportError, match="format_version is 2 in .* but 1"):
+        export.check_conventions(out, recipe)
+    # a drafter without the record (published elsewhere): what its config root serves counts
+    raw.pop(export.CONVENTIONS_KEY)
+    (out / "config.json").write_text(json.dumps(raw))
+    export.check_conventions(out, recipe)
+    recipe.draft.target_layer_ids = [1, 2]
+    with pytest.raises(
+        export.ExportError, match=r"target_layer_ids is \[0, 2\] in .* but \[1, 2\]"
+    ):
+        export.check_conventions(out, recipe)
 
 
 # --------------------------------------------------------------------------- checkpoints
 
 
-def fake_training_checkpoint(root: Path, cfg_kwargs: dict, complete: bool = True) -> Path:
-    """A ZeRO-0 step directory in the layout of specforge_dspark/checkpoint.py."""
+def fake_training_checkpoint(
+    root: Path, cfg_kwargs: dict, complete: bool = True, tap: str | None = None
+) -> Path:
+    """A ZeRO-0 step directory in the layout of specforge_dspark/checkpoint.py (with the
+    features fingerprint's tap convention when `tap` is given)."""
     recipe = Recipe(draft=DraftRecipe(**cfg_kwargs))
     recipe.dist.zero_stage = 0
     draft = trained(DSparkConfig.from_recipe(recipe.draft), seed=5)
@@ -394,6 +622,8 @@ def fake_training_checkpoint(root: Path, cfg_kwargs: dict, complete: bool = True
     step.mkdir(parents=True)
     torch.save({"module": draft.state_dict()}, step / "mp_rank_00_model_states.pt")
     state = {"format_version": 1, "world_size": 1, "recipe": recipe.to_dict(), "step": 7}
+    if tap is not None:
+        state["fingerprint"] = {"features": {"tap_convention": tap}}
     (step / "train_state.json").write_text(json.dumps(state))
     if complete:
         (step / "COMPLETE").write_text("")
@@ -428,3 +658,33 @@ def test_export_from_a_training_checkpoint_and_refusal_of_an_incomplete_one(tmp_
     with pytest.raises(export.ExportError, match="no complete step-N"):
         export.export_checkpoint(step.parent, "sglang", tmp_path / "c")
     assert not (tmp_path / "c").exists()
+
+
+def test_training_checkpoint_conventions_and_the_speculators_vocab_flag(
+    tmp_path, tiny_target_dir, capsys
+):
+    fields = dataclasses.asdict(draft_recipe_of(target_draft_config(tiny_target_dir)))
+    step = fake_training_checkpoint(tmp_path / "run", fields, tap="pre_mlp_sconv")
+    args = ["--checkpoint", str(step), "--target", str(tiny_target_dir), "--out"]
+    assert export.main([*args, str(tmp_path / "sg"), "--format", "sglang"]) == 0
+    rec = json.loads((tmp_path / "sg" / "config.json").read_text())[export.CONVENTIONS_KEY]
+    assert rec == {**TINY_INKLING_CONVENTIONS, "mup_folded_into": None}
+    argv = [*args, str(tmp_path / "sp"), "--format", "speculators", "--speculators-vocab"]
+    assert export.main([*argv, "reduced"]) == 0
+    raw = json.loads((tmp_path / "sp" / "config.json").read_text())
+    assert raw["draft_vocab_size"] == 1024 and raw[export.CONVENTIONS_KEY]["speculators_vocab"] == (
+        "reduced"
+    )
+    assert (
+        export.main(
+            [*args, str(tmp_path / "sg2"), "--format", "sglang", "--speculators-vocab", "full"]
+        )
+        == 0
+    )
+    assert "--speculators-vocab is ignored" in capsys.readouterr().err
+
+    # features taken with another tap than the target at hand has
+    other = fake_training_checkpoint(tmp_path / "other", fields, tap="layer_output")
+    with pytest.raises(export.ExportError, match="tap_convention is 'layer_output' in .* but"):
+        export.export_checkpoint(other, "sglang", tmp_path / "x", target_path=tiny_target_dir)
+    assert not (tmp_path / "x").exists()

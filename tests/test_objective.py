@@ -2,6 +2,9 @@
 
 Shapes: B sequences, S positions, N anchor columns, G block size, V LM-head rows,
 L logical vocabulary (rows >= L are padding the target never emits).
+
+Vocabulary semantics (as SGLang serves): the draft's softmax, CE, L1 and argmax run over
+all V rows; the teacher is a softmax over the first L rows, probability 0 on the others.
 """
 
 from __future__ import annotations
@@ -138,6 +141,7 @@ def reference(draft, head, batch, anchors_BN, valid_BN, obj=OBJ):
     num = {"ce": 0.0, "l1": 0.0, "bce": 0.0}
     wsum = 0.0
     per_k = {m: [[] for _ in range(G)] for m in ("alpha", "top1", "ce_k", "conf_err")}
+    block_accepts = []  # per valid block: greedy accept count over its supervised slots
     ctx_BSH = draft.context(aux)
     for b in range(B):
         for j in range(anchors_BN.shape[1]):
@@ -161,13 +165,15 @@ def reference(draft, head, batch, anchors_BN, valid_BN, obj=OBJ):
             logits_GV, conf_G = draft.apply_heads(
                 h_GH[None, None], head.logits(h_GH)[None, None], prev[None, None]
             )
+            accepting, n_accepted = True, 0
             for k in range(G):
                 t = a + k + 1
                 if t >= S or not lm[b, t]:
                     break  # the block stops at its first unsupervised label
-                q = torch.softmax(logits_GV[0, 0, k, :L], -1)
+                q = torch.softmax(logits_GV[0, 0, k], -1)  # over all V rows
                 with torch.no_grad():
-                    p = torch.softmax(teacher_logits(head, last[b, a + k])[:L], -1)
+                    p = torch.zeros(V, dtype=q.dtype)  # 0 on the padded rows
+                    p[:L] = torch.softmax(teacher_logits(head, last[b, a + k])[:L], -1)
                 ce = -torch.log(q[ids[b, t]])
                 l1 = (q - p).abs().sum()
                 alpha = torch.minimum(p, q.detach()).sum()
@@ -183,9 +189,13 @@ def reference(draft, head, batch, anchors_BN, valid_BN, obj=OBJ):
                 num["bce"] = num["bce"] + w * bce
                 wsum += w
                 per_k["alpha"][k].append(float(alpha))
-                per_k["top1"][k].append(float(q.argmax() == p.argmax()))
+                top1 = bool(q.argmax() == p.argmax())
+                per_k["top1"][k].append(float(top1))
+                accepting = accepting and top1
+                n_accepted += accepting
                 per_k["ce_k"][k].append(float(ce.detach()))
                 per_k["conf_err"][k].append(err)
+            block_accepts.append(n_accepted)
     terms = {k: torch.as_tensor(v / wsum, dtype=torch.float64) for k, v in num.items()}
     loss = obj.ce_weight * terms["ce"] + obj.l1_weight * terms["l1"] + obj.bce_weight * terms["bce"]
     draft.zero_grad(set_to_none=True)
@@ -195,12 +205,14 @@ def reference(draft, head, batch, anchors_BN, valid_BN, obj=OBJ):
         m: torch.tensor([sum(v) / len(v) if v else math.nan for v in per_k[m]], dtype=torch.float64)
         for m in per_k
     }
-    tau = 1.0 + torch.cumprod(means["alpha"], 0).sum()
+    tau_slot_mean = 1.0 + torch.cumprod(means["alpha"], 0).sum()
+    tau = 1.0 + sum(block_accepts) / len(block_accepts) if block_accepts else math.nan
     metrics = {
         "loss": float(loss.detach()),
         **{k: float(v.detach()) for k, v in terms.items()},
         **means,
         "tau": float(tau),
+        "tau_slot_mean": float(tau_slot_mean),
         "weight_sum": wsum,
         "valid_blocks": float(valid_BN.sum()),
         "supervised_slots": float(sum(len(v) for v in per_k["alpha"])),
@@ -321,9 +333,9 @@ def test_slot_k_supervised_by_token_a_plus_k_plus_1():
             bl.pos_BNG,
             visible,
         )
-        z = draft.apply_heads(h, head.logits(h), bl.prev_BNG)[0][0, 0, :, :L]
-        logq = torch.log_softmax(z, -1)
-        p = torch.softmax(head.logits(last[0, a : a + G])[:, :L], -1)
+        z = draft.apply_heads(h, head.logits(h), bl.prev_BNG)[0][0, 0]
+        logq = torch.log_softmax(z, -1)  # all V rows
+        p = F.pad(torch.softmax(head.logits(last[0, a : a + G])[:, :L], -1), (0, V - L))
     ce = [-logq[k, ids[0, a + k + 1]] for k in range(G)]
     ce_shifted = [-logq[k, ids[0, a + k]] for k in range(G)]  # DFlash's slot-0-is-bonus
     torch.testing.assert_close(out.metrics["ce_k"], torch.stack(ce), rtol=1e-12, atol=0)
@@ -332,9 +344,10 @@ def test_slot_k_supervised_by_token_a_plus_k_plus_1():
     torch.testing.assert_close(out.metrics["alpha"], alpha, rtol=1e-12, atol=0)
 
 
-def test_padded_rows_get_no_mass():
-    """Padded LM-head rows that would dominate every softmax are excluded: metrics match
-    the logical-vocab reference, and the draft's padded Markov rows get no gradient."""
+def test_padded_rows_count_against_the_draft_and_train():
+    """Padded LM-head rows that dominate every draft softmax: the teacher gives them no
+    mass, so they cost L1 and CE and lose every top-1 (as served, the draft's argmax sees
+    them); metrics match the all-rows reference and the padded Markov rows get gradient."""
     draft, head = make_models()
     draft, head, batch = to64(draft, head, make_batch())
     with torch.no_grad():
@@ -348,8 +361,10 @@ def test_padded_rows_get_no_mass():
     _, metrics, grads = run(draft, head, batch, anchors)
     ref_metrics, _ = reference(draft, head, batch, *anchors)
     assert_close_metrics(metrics, ref_metrics, rtol=1e-9)
-    assert (grads["markov_head.markov_w2.weight"][L:] == 0).all()
-    assert grads["markov_head.markov_w2.weight"][:L].abs().max() > 0
+    assert float(metrics["top1"].max()) == 0.0 and float(metrics["tau"]) == 1.0
+    assert float(metrics["alpha"].max()) < 0.05  # the draft's mass sits on padded rows
+    w2_grad = grads["markov_head.markov_w2.weight"]
+    assert (w2_grad[L:].abs().sum(1) > 0).all() and w2_grad[:L].abs().max() > 0
 
 
 def test_no_grad_evaluation_gives_the_same_metrics():
@@ -365,8 +380,56 @@ def test_no_grad_evaluation_gives_the_same_metrics():
     assert_close_metrics(out.metrics, metrics, rtol=1e-6)
     logged = out.log_dict()
     assert logged["tau"] == pytest.approx(float(metrics["tau"]), rel=1e-6)
+    assert logged["tau_slot_mean"] == pytest.approx(float(metrics["tau_slot_mean"]), rel=1e-6)
     assert [logged[f"alpha/{k}"] for k in range(G)] == pytest.approx(metrics["alpha"].tolist())
     assert all(isinstance(v, float) for v in logged.values())
+
+
+def test_tau_averages_per_block_accept_lengths(monkeypatch):
+    """Uneven blocks (4, 2 and 3 supervised slots) with scripted greedy matches: tau is
+    the mean over blocks of 1 + (leading matches among the block's supervised slots); the
+    former per-slot-mean value differs."""
+    from specforge_dspark import objective
+
+    ids = torch.arange(10)[None] % L
+    mask = torch.ones(1, 10, dtype=torch.long)
+    mask[0, 5] = 0
+    anchors, valid = torch.tensor([[0, 2, 6]]), torch.ones(1, 3, dtype=torch.bool)
+    # per block, slot: 1 = the draft's argmax is the teacher's (slots past a block's
+    # supervised prefix are scripted 1 to show they do not count)
+    match_XG = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.float32)
+    eval_mask = build_blocks(ids, mask, anchors, valid, G, MASK, 4.0).eval_mask_BNG[0]
+    assert eval_mask.sum(-1).tolist() == [4, 2, 3]
+    assert objective.accepted_drafts(match_XG, eval_mask).tolist() == [2, 0, 3]
+    real = objective._vocab_chunk
+
+    def scripted(plan, sl, *rest):
+        stats, grads = real(plan, sl, *rest)
+        stats[2], stats[5] = match_XG[sl], match_XG[sl]  # alpha and top1
+        return stats, grads
+
+    monkeypatch.setattr(objective, "_vocab_chunk", scripted)
+    draft, head = make_models()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        out = compute_loss_at(
+            draft,
+            head,
+            ids,
+            mask,
+            torch.randn(1, 10, 3 * H, generator=g),
+            torch.randn(1, 10, H, generator=g),
+            anchors,
+            valid,
+            OBJ,
+        )
+    m = out.metrics
+    assert float(m["tau"]) == pytest.approx(1 + (2 + 0 + 3) / 3)
+    # slot means over supervised blocks: 2/3, 3/3, 1/2, 1/1
+    assert m["top1"].tolist() == pytest.approx([2 / 3, 1.0, 0.5, 1.0])
+    slot_mean = 1 + 2 / 3 + 2 / 3 + 1 / 3 + 1 / 3
+    assert float(m["tau_slot_mean"]) == pytest.approx(slot_mean)
+    assert abs(float(m["tau"]) - slot_mean) > 0.3
 
 
 def test_no_valid_block_gives_zero_loss_and_zero_grads_everywhere():

@@ -98,7 +98,7 @@ def launch_args(recipe) -> list[str]:
             )
     extra = {**CPU_ENGINE_ARGS, **s.server_args} if is_cpu_engine(recipe) else s.server_args
     for key, value in extra.items():
-        args += _flag(key, value)
+        args += cli_flag(key, value)
     return args
 
 
@@ -125,7 +125,7 @@ def server_env(cpu_engine: bool, base: dict[str, str] | None = None) -> dict[str
     return env
 
 
-def _flag(key: str, value: Any) -> list[str]:
+def cli_flag(key: str, value: Any) -> list[str]:
     flag = "--" + key.replace("_", "-")
     if value is None or value is False:
         return []

@@ -65,7 +65,11 @@ def register() -> None:
     """Entry point: install the hook (SGLang applies it after all plugins loaded)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from specforge_dspark.engines import sglang_cpu
+
     HookRegistry.register(APPEND_PREFILL, append_prefill_hidden_states, HookType.AROUND)
+    if sglang_cpu.cpu_engine():
+        sglang_cpu.register()
 
 
 def make_rid(nonce: str, ticket: int, path: str) -> str:

@@ -8,6 +8,8 @@ fallbacks engage (e.g. `layers/quantization/utils.py` probes for optional kernel
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 __version__ = "0.0.0+specforge-dspark-cpu-shim"
@@ -33,11 +35,51 @@ def assign_req_to_token_pool_cpu(
         pos += n
 
 
+def assign_extend_cache_locs_cpu(
+    req_pool_indices: torch.Tensor,  # [B]
+    req_to_token: torch.Tensor,  # [pool, max_len]
+    start_offset: torch.Tensor,  # [B]
+    end_offset: torch.Tensor,  # [B]
+    out_cache_loc: torch.Tensor,  # [sum(end - start)] written
+    pool_len: int,
+) -> None:
+    """`kernels/ops/speculative/cache_locs.py:assign_extend_cache_locs`, the reverse of
+    assign_req_to_token_pool: request b's cache slots req_to_token[req_pool_indices[b],
+    start_offset[b]:end_offset[b]] are gathered into its run of `out_cache_loc`."""
+    del pool_len
+    pos = 0
+    rows = req_pool_indices.tolist()
+    for b, (lo, hi) in enumerate(zip(start_offset.tolist(), end_offset.tolist(), strict=True)):
+        n = hi - lo
+        out_cache_loc[pos : pos + n] = req_to_token[rows[b], lo:hi].to(out_cache_loc.dtype)
+        pos += n
+
+
+def copy_all_layer_kv_cache_cpu(
+    data_ptrs: torch.Tensor,  # [L] int64 base addresses of the per-layer K/V buffers
+    strides: torch.Tensor,  # [L] int64 bytes per cache row of each buffer
+    tgt_loc: torch.Tensor,  # [N] cache rows to write
+    src_loc: torch.Tensor,  # [N] cache rows to read
+) -> None:
+    """`kernels/ops/kvcache/cache_move.py:copy_all_layer_kv_cache_tiled`: in every
+    buffer, rows src_loc are copied to rows tgt_loc, all sources read before any target
+    is written (the kernel loads a tile's sources, then stores: safe in place)."""
+    if tgt_loc.numel() == 0:
+        return
+    rows = int(torch.maximum(tgt_loc.max(), src_loc.max())) + 1
+    src, tgt = src_loc.long(), tgt_loc.long()
+    for base, stride in zip(data_ptrs.tolist(), strides.tolist(), strict=True):
+        raw = (ctypes.c_uint8 * (rows * stride)).from_address(base)
+        buf = torch.frombuffer(raw, dtype=torch.uint8).view(rows, stride)
+        buf[tgt] = buf[src]  # advanced indexing gathers a copy first
+
+
 def _not_on_this_path(name: str):
     def op(*args, **kwargs):
         raise NotImplementedError(
             f"sgl_kernel.{name}: the specforge_dspark CPU shim does not implement this op "
-            "(it is imported by SGLang's CPU engine but not used by feature capture)"
+            "(SGLang's CPU engine imports it; feature capture and greedy DSPARK decoding "
+            "never call it)"
         )
 
     op.__name__ = name
@@ -45,11 +87,9 @@ def _not_on_this_path(name: str):
 
 
 _IMPORTED_ONLY = (
-    "copy_all_layer_kv_cache_cpu",
     "build_tree_kernel_efficient_cpu",
     "verify_tree_greedy_cpu",
     "assign_draft_cache_locs_contiguous_cpu",
-    "assign_extend_cache_locs_cpu",
     "fill_accept_out_cache_loc_cpu",
     "fill_bonus_tokens_cpu",
 )

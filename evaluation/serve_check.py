@@ -1,0 +1,248 @@
+"""The serving engine as the judge: SGLang's own DSPARK speculative decoding of an
+exported drafter, compared prompt by prompt with our harness.
+
+    python -m evaluation.serve_check --target T --draft EXPORT_DIR \
+        --workloads gsm8k,mt_bench --num-prompts 8 --max-new-tokens 64 --out DIR
+
+Starts `sglang.launch_server --speculative-algorithm DSPARK --speculative-draft-model-path
+EXPORT_DIR` for the target (SGLang's CPU engine on CPU, in fp32 where both are exact;
+engines/sglang_cpu.py has the hooks it needs there), sends every prompt greedily, and
+decodes the same prompts with evaluation.spec_decode. They agree when, on every prompt,
+the output tokens are equal, SGLang's verify count equals the harness's steps, and
+SGLang's accepted-draft histogram equals the harness's. Accept length is pooled over
+prompts the same way on both sides: sum(completion_tokens - 1) / sum(spec_verify_ct)
+(the prefill's token is not a verify step's; SGLang's own `spec_accept_length` counts
+it). Writes DIR/serve_check.json (`agree`, `prompts`, `sglang_accept_length`,
+`harness_accept_length`); exits 0 only on agreement, and otherwise names the first
+prompt that disagrees, the verify step, and both token streams.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from evaluation.acceptance import DTYPES, check_pair, head_fns, load_drafter
+from evaluation.hf_target import HFTarget
+from evaluation.prompts import load_conversations, parse_workload, render
+from evaluation.spec_decode import Generation, speculative_generate
+from specforge_dspark.engines.sglang import CPU_ENGINE_ARGS, ServerProcess, cli_flag
+from specforge_dspark.export import check_conventions
+
+START_TIMEOUT_S = 600.0
+
+
+def server_args(target: str, draft: str, port: int, dtype: str, device: str) -> list[str]:
+    """`sglang.launch_server` arguments that serve `draft` for `target` greedily."""
+    args = ["--model-path", str(target), "--port", str(port), "--host", "127.0.0.1"]
+    args += ["--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", str(draft)]
+    args += ["--dtype", dtype, "--disable-overlap-schedule", "--disable-radix-cache"]
+    if device == "cpu":
+        for key, value in CPU_ENGINE_ARGS.items():
+            args += cli_flag(key, value)
+    return args
+
+
+def wait_healthy(server: ServerProcess, url: str, timeout_s: float = START_TIMEOUT_S) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        code = server.exit_code()
+        if code is not None:
+            raise RuntimeError(f"SGLang server exited ({code}); log tail:\n{server.tail(40)}")
+        try:
+            with urllib.request.urlopen(f"{url}/health_generate", timeout=5) as r:
+                if r.status == 200:
+                    return time.monotonic() - t0
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"SGLang server at {url} not healthy within {timeout_s:g}s")
+
+
+def generate(url: str, ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> dict:
+    """One greedy /generate request; returns output_ids and the spec counters."""
+    body = {
+        "input_ids": ids,
+        "sampling_params": {
+            "max_new_tokens": max_new_tokens,
+            "temperature": 0.0,
+            "stop_token_ids": sorted(stop_ids),
+        },
+    }
+    req = urllib.request.Request(
+        f"{url}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=600) as r:
+        out = json.loads(r.read())
+    meta = out["meta_info"]
+    return {
+        "tokens": list(out["output_ids"]),
+        "verify_ct": int(meta.get("spec_verify_ct", 0)),
+        "accepted_hist": list(meta.get("spec_correct_drafts_histogram") or []),
+        "completion_tokens": int(meta["completion_tokens"]),
+    }
+
+
+def harness_hist(gen: Generation) -> list[int]:
+    """Verify steps by accepted-draft count, as SGLang's spec_correct_drafts_histogram."""
+    counts = Counter(s.accepted for s in gen.steps)
+    return [counts.get(k, 0) for k in range(max(counts, default=-1) + 1)]
+
+
+def _trim(hist: list[int]) -> list[int]:
+    while hist and hist[-1] == 0:
+        hist = hist[:-1]
+    return hist
+
+
+def compare(where: str, gen: Generation, served: dict) -> dict:
+    """One prompt's verdict: equal tokens, verify counts and accepted-draft histograms."""
+    ours, theirs = gen.tokens, served["tokens"]
+    row = {
+        "prompt": where,
+        "tokens_equal": ours == theirs,
+        "harness_steps": len(gen.steps),
+        "sglang_verify_ct": served["verify_ct"],
+        "harness_hist": harness_hist(gen),
+        "sglang_hist": served["accepted_hist"],
+        "new_tokens": len(ours),
+    }
+    row["agree"] = (
+        row["tokens_equal"]
+        and row["harness_steps"] == row["sglang_verify_ct"]
+        and _trim(row["harness_hist"]) == _trim(row["sglang_hist"])
+    )
+    if not row["tokens_equal"]:
+        i = next((j for j, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), None)
+        i = min(len(ours), len(theirs)) if i is None else i
+        made, step = 1, 0  # the prefill makes token 0; step s makes the next `committed`
+        while step < len(gen.steps) and made + gen.steps[step].committed <= i:
+            made += gen.steps[step].committed
+            step += 1
+        row["first_difference"] = {"token": i, "verify_step": step}
+    if not row["agree"]:
+        row["harness_tokens"], row["sglang_tokens"] = ours, theirs
+    return row
+
+
+def explain(row: dict) -> str:
+    d = row.get("first_difference")
+    where = f"at new token {d['token']} (verify step {d['verify_step']})" if d else ""
+    return (
+        f"{row['prompt']}: SGLang and the harness disagree {where}: verify steps "
+        f"{row['sglang_verify_ct']} vs {row['harness_steps']}, accepted-draft histograms "
+        f"{row['sglang_hist']} vs {row['harness_hist']}\n  sglang:  {row.get('sglang_tokens')}\n"
+        f"  harness: {row.get('harness_tokens')}"
+    )
+
+
+def serve_check(
+    target: str | Path,
+    draft: str | Path,
+    workloads: list[str],
+    num_prompts: int,
+    max_new_tokens: int,
+    out_dir: str | Path,
+    port: int = 30611,
+    device: str = "cpu",
+    dtype: str = "float32",
+    log=print,
+) -> dict:
+    """Serve `draft` with SGLang, decode with the harness, compare; returns the report."""
+    from specforge_dspark.frozen_head import load_frozen_head
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    check_conventions(draft, target_path=target)
+    drafter = load_drafter(draft, device, DTYPES[dtype])
+    hf = HFTarget.load(target, list(drafter.config.target_layer_ids), "crop", device, DTYPES[dtype])
+    check_pair(drafter, hf)
+    embed_fn, logits_fn = head_fns(load_frozen_head(target, device=device, dtype=DTYPES[dtype]))
+
+    url = f"http://127.0.0.1:{port}"
+    server = ServerProcess(
+        server_args(str(target), str(draft), port, dtype, device),
+        out / "sglang_server.log",
+        cpu_engine=device == "cpu",
+    )
+    rows: list[dict] = []
+    try:
+        start_s = wait_healthy(server, url)
+        log(f"SGLang DSPARK server ready in {start_s:.0f}s ({url})")
+        for spec in workloads:
+            workload = parse_workload(spec)
+            for conv in load_conversations(workload, num_prompts):
+                messages: list[dict] = []
+                for turn, text in enumerate(conv.turns):
+                    messages.append({"role": "user", "content": text})
+                    ids = render(hf.tokenizer, messages)
+                    gen = speculative_generate(
+                        hf, drafter, ids, max_new_tokens, embed_fn, logits_fn
+                    )
+                    served = generate(url, ids, max_new_tokens, hf.eos_ids)
+                    where = f"workload {workload.name} prompt {conv.index} turn {turn + 1}"
+                    rows.append(
+                        compare(where, gen, served) | {"sglang": served["completion_tokens"]}
+                    )
+                    body = gen.tokens[:-1] if gen.tokens[-1] in hf.eos_ids else gen.tokens
+                    answer = hf.tokenizer.decode(body, skip_special_tokens=True)
+                    messages.append({"role": "assistant", "content": answer})
+    finally:
+        server.stop()
+
+    verify_ct = sum(r["sglang_verify_ct"] for r in rows)
+    steps = sum(r["harness_steps"] for r in rows)
+    report = {
+        "agree": bool(rows) and all(r["agree"] for r in rows),
+        "prompts": rows,
+        "num_prompts": len(rows),
+        "sglang_accept_length": sum(r["sglang"] - 1 for r in rows) / verify_ct
+        if verify_ct
+        else None,
+        "harness_accept_length": sum(r["new_tokens"] - 1 for r in rows) / steps if steps else None,
+        "server_start_seconds": start_s,
+        "target": str(target),
+        "draft": str(draft),
+        "dtype": dtype,
+        "max_new_tokens": max_new_tokens,
+    }
+    (out / "serve_check.json").write_text(json.dumps(report, indent=1))
+    disagree = [r for r in rows if not r["agree"]]
+    log(
+        f"serve_check: {len(rows) - len(disagree)}/{len(rows)} prompts agree; accept length "
+        f"SGLang {report['sglang_accept_length']}, harness {report['harness_accept_length']}"
+    )
+    for r in disagree[:3]:
+        log(explain(r))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", required=True, help="hf target directory SGLang can serve")
+    ap.add_argument("--draft", required=True, help="SGLang export of the drafter")
+    ap.add_argument("--workloads", default="gsm8k,mt_bench")
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--port", type=int, default=30611)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)  # the server shares this machine's cores
+    specs = [w for w in a.workloads.split(",") if w.strip()]
+    report = serve_check(
+        a.target, a.draft, specs, a.num_prompts, a.max_new_tokens, a.out, a.port, a.device, a.dtype
+    )
+    return 0 if report["agree"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""SGLang itself serves a drafter trained here (DSPARK speculative decoding on its CPU
+engine, fp32) and agrees with our harness on every prompt: tokens, verify steps,
+accepted-draft histograms and accept length. A disagreement is reported with the
+prompt, the verify step and both token streams."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from evaluation.serve_check import compare, explain, serve_check
+from evaluation.spec_decode import Generation, Step
+from tests.live_sglang import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def trained_export(tiny_qwen3_dir, tmp_path_factory) -> Path:
+    """A tiny drafter trained 200 steps against the tiny Qwen3 target (hf backend)."""
+    out = tmp_path_factory.mktemp("served_draft")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_port", str(free_port()), "train.py", "--recipe", "recipes/tiny_cpu_sglang.yaml",
+        "--resume", "none", "target.backend=hf", f"train.output_dir={out}",
+        "train.max_steps=200", "train.eval_interval=0", "checkpoint.save_interval=200",
+        "data.max_rows=600", "tracking.enabled=false", "export.formats=[sglang]",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out / "export" / "sglang"
+
+
+@pytest.mark.slow
+def test_sglang_serves_our_export_as_our_harness_decodes_it(
+    trained_export, tiny_qwen3_dir, tmp_path
+):
+    report = serve_check(
+        tiny_qwen3_dir,
+        trained_export,
+        ["gsm8k", "mt_bench"],
+        num_prompts=4,
+        max_new_tokens=48,
+        out_dir=tmp_path,
+        port=free_port(),
+        log=lambda *a: None,
+    )
+    saved = json.loads((tmp_path / "serve_check.json").read_text())
+    assert saved["agree"] is True, [explain(r) for r in saved["prompts"] if not r["agree"]]
+    assert saved["num_prompts"] == 4 + 2 * 4  # mt_bench has two turns
+    assert saved["sglang_accept_length"] == pytest.approx(saved["harness_accept_length"])
+    assert report["harness_accept_length"] > 1.5, "a drafter that accepts little checks little"
+    served = sum(sum(r["sglang_hist"][1:]) for r in saved["prompts"])
+    assert served > 0, "SGLang accepted no draft at all"
+
+
+def test_a_disagreement_names_the_prompt_the_step_and_both_streams():
+    gen = Generation([1, 2], [5, 6, 7, 8, 9], [Step(1, 2, []), Step(1, 2, [])])
+    served = {"tokens": [5, 6, 7, 4, 9], "verify_ct": 2, "accepted_hist": [0, 2]}
+    row = compare("workload gsm8k prompt 3 turn 1", gen, served)
+    assert not row["agree"] and row["first_difference"] == {"token": 3, "verify_step": 1}
+    msg = explain(row)
+    assert "workload gsm8k prompt 3 turn 1" in msg and "verify step 1" in msg
+    assert "[5, 6, 7, 4, 9]" in msg and "[5, 6, 7, 8, 9]" in msg
+    same = compare("p", gen, served | {"tokens": [5, 6, 7, 8, 9]})
+    assert same["agree"]
+    assert not compare("p", gen, served | {"tokens": [5, 6, 7, 8, 9], "verify_ct": 3})["agree"]
