@@ -403,9 +403,10 @@ class DSparkDraft(nn.Module):
         """Greedy drafts of one block (DSPARK_SPEC.md section 4; SGLang `sample_from_anchor`).
 
         Block [bonus, MASK * (G-1)] at positions ctx_len .. ctx_len+G-1 over context
-        positions 0 .. ctx_len-1; base logits `logits_fn(h)` (over every LM-head row, as SGLang serves) for
-        every slot; the Markov head then runs slot by slot with prev of slot 0 = bonus and
-        prev of slot k = draft k-1. Draft k is the guess for the token at ctx_len + k + 1.
+        positions 0 .. ctx_len-1; base logits `logits_fn(h)` (over every LM-head row, as
+        SGLang serves) for every slot; the Markov head then runs slot by slot with prev of
+        slot 0 = bonus and prev of slot k = draft k-1. Draft k is the guess for the token at
+        ctx_len + k + 1.
         Returns (G draft tokens, G confidence logits or None).
         """
         G, device = self.config.block_size, ctx_1SH.device
