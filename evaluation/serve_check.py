@@ -164,7 +164,8 @@ def serve_check(
     drafter = load_drafter(draft, device, DTYPES[dtype])
     hf = HFTarget.load(target, list(drafter.config.target_layer_ids), "crop", device, DTYPES[dtype])
     check_pair(drafter, hf)
-    embed_fn, logits_fn = head_fns(load_frozen_head(target, device=device, dtype=DTYPES[dtype]))
+    head = load_frozen_head(target, device=device, dtype=DTYPES[dtype])
+    embed_fn, logits_fn = head_fns(head)
 
     url = f"http://127.0.0.1:{port}"
     server = ServerProcess(
@@ -199,6 +200,7 @@ def serve_check(
 
     verify_ct = sum(r["sglang_verify_ct"] for r in rows)
     steps = sum(r["harness_steps"] for r in rows)
+    drafted = sum(r["drafted"] for r in rows)  # the harness's drafts (padded: ids >= logical)
     report = {
         "agree": bool(rows) and all(r["agree"] for r in rows),
         "prompts": rows,
@@ -207,6 +209,7 @@ def serve_check(
         if verify_ct
         else None,
         "harness_accept_length": sum(r["new_tokens"] - 1 for r in rows) / steps if steps else None,
+        "padded_draft_rate": sum(r["padded_drafts"] for r in rows) / drafted if drafted else None,
         "server_start_seconds": start_s,
         "target": str(target),
         "draft": str(draft),

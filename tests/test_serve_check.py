@@ -56,6 +56,7 @@ def test_sglang_serves_our_export_as_our_harness_decodes_it(
     assert saved["num_prompts"] == 4 + 2 * 4  # mt_bench has two turns
     assert saved["sglang_accept_length"] == pytest.approx(saved["harness_accept_length"])
     assert report["harness_accept_length"] > 1.5, "a drafter that accepts little checks little"
+    assert saved["padded_draft_rate"] == 0.0, "a trained drafter never drafts a padded row"
     served = sum(sum(r["sglang_hist"][1:]) for r in saved["prompts"])
     assert served > 0, "SGLang accepted no draft at all"
 
