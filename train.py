@@ -50,15 +50,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return dry_run(recipe)
     from specforge_dspark.checkpoint import ResumeError
+    from specforge_dspark.lifecycle import RunLockError
 
+    where = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
     try:
         run = build(recipe, args.resume)
-        train(run, stop_at_step=args.stop_at_step)
-    except (ResumeError, RecipeError, ValueError, FileNotFoundError) as e:
-        where = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
+        stopped = train(run, stop_at_step=args.stop_at_step)
+    except (ResumeError, RecipeError, RunLockError, ValueError, FileNotFoundError) as e:
         print(f"{where}error: {e}", file=sys.stderr)
         return 2
+    if stopped:  # state saved; not a finished run, so not exit status 0
+        print(f"{where}stopped early ({stopped}); continue with --resume auto", file=sys.stderr)
+        return EXIT_STOPPED
     return 0
+
+
+EXIT_STOPPED = 143
+"""Exit status of a run stopped early with its state saved (128 + SIGTERM)."""
 
 
 # --------------------------------------------------------------------------- dry run
@@ -118,6 +126,8 @@ class Run:
     fingerprint: dict
     """The target's features and the training data's content (checkpoint.py): saved with
     every checkpoint, checked on resume."""
+    lock: object = None
+    """Rank 0's RunLock on train.output_dir, held until the process exits."""
 
 
 def init_distributed(recipe: Recipe) -> tuple[int, int, torch.device]:
@@ -187,10 +197,12 @@ def build(recipe: Recipe, resume: str | None) -> Run:
     from data_pipelines.prepare import prepare_dataset
     from specforge_dspark import checkpoint
     from specforge_dspark.frozen_head import load_frozen_head
+    from specforge_dspark.lifecycle import acquire_run_lock
     from specforge_dspark.model import DSparkConfig, DSparkDraft
 
     rank, world, device = init_distributed(recipe)
     dirs = resolved_dirs(recipe)
+    lock = acquire_run_lock(dirs["output"], rank)  # one job per output_dir
     resume_path = checkpoint.resolve_resume(resume, dirs["checkpoint"])
     if resume_path is not None:  # fail fast, before data and engines are built
         checkpoint.check_saved(resume_path, recipe, world)
@@ -264,6 +276,7 @@ def build(recipe: Recipe, resume: str | None) -> Run:
         total,
         dirs,
         fingerprint,
+        lock,
     )
 
 
@@ -365,9 +378,11 @@ def eval_step(run: Run, feats, index: int) -> dict:
     return objective(run, feats, torch.Generator().manual_seed(index)).log_dict()
 
 
-def train(run: Run, stop_at_step: int = 0) -> None:
+def train(run: Run, stop_at_step: int = 0) -> str | None:
+    """The loop; returns why it stopped early (a signal, the launcher's death) or None."""
     from specforge_dspark import checkpoint
     from specforge_dspark.export import export_checkpoint
+    from specforge_dspark.lifecycle import StopRequest, watch_launcher
     from specforge_dspark.stream import FeatureStream
     from specforge_dspark.tracking import Tracker
 
@@ -381,6 +396,9 @@ def train(run: Run, stop_at_step: int = 0) -> None:
     evals: list = []
     t_start, start_step = time.time(), state.step
     t_last, wait_last, tokens_last = time.time(), 0.0, state.tokens
+    stop = StopRequest()  # SIGTERM / SIGINT / launcher death: save at the next step, exit
+    watch_launcher(stop)
+    stopped: str | None = None
     stream = FeatureStream(r, rank=run.rank, world_size=run.world)
     with stream:
         for feats in stream.iterate(batches(run, state.micro_step)):
@@ -419,12 +437,18 @@ def train(run: Run, stop_at_step: int = 0) -> None:
                 t_last, wait_last, tokens_last = now, stream.wait_seconds, state.tokens
                 window = []
             last = state.step == run.total_steps or state.step == stop_at_step
-            if state.step % r.checkpoint.save_interval == 0 or last:
+            stopping = not last and stop.agreed(run.device)  # collective, every step
+            if state.step % r.checkpoint.save_interval == 0 or last or stopping:
                 keep = r.checkpoint.keep_last
                 path = checkpoint.save(eng, run.dirs["checkpoint"], state, r, keep, run.fingerprint)
                 tracker.write(f"step {state.step}: saved {path}")
+            if stopping:
+                stopped = stop.reason or "another rank was asked to stop"
+                tracker.write(f"step {state.step}: stopped ({stopped}); resume with --resume auto")
+                break
             if last:
                 break
+    stop.restore()
     tracker.close()
     if run.rank == 0:
         took = time.time() - t_start
@@ -447,6 +471,7 @@ def train(run: Run, stop_at_step: int = 0) -> None:
                 verifier_name=r.export.verifier_name or None,
             )
             print(f"exported {fmt} drafter to {out_dir}", flush=True)
+    return stopped
 
 
 def _reduce_metrics(window: list[dict]) -> dict:

@@ -292,7 +292,7 @@ def save(
     world = dist.get_world_size() if dist.is_initialized() else 1
     path = step_dir(root, state.step)
     if rank == 0 and path.exists():  # a stale partial save of the same step
-        shutil.rmtree(path)
+        remove(path)
     _barrier()
     engine.save_checkpoint(str(root), tag=path.name, save_latest=False)
     rank_state = {"train_state": asdict(state), "rng": rng_state()}
@@ -318,13 +318,27 @@ def save(
 
 def prune(root: Path, keep_last: int) -> None:
     """Keep the newest `keep_last` complete checkpoints; drop partial saves older than them."""
+    for leftover in root.glob(".deleting-step-*"):  # a prune a crash interrupted
+        shutil.rmtree(leftover, ignore_errors=True)
     ckpts = list_checkpoints(root)
     complete = [s for s, p in ckpts if is_complete(p)]
     keep = set(complete[-keep_last:])
     newest = complete[-1] if complete else -1
     for s, p in ckpts:
         if s not in keep and (is_complete(p) or s < newest):
-            shutil.rmtree(p, ignore_errors=True)
+            remove(p)
+
+
+def remove(path: Path) -> None:
+    """Delete a step directory so that no reader ever sees it half gone: it is first
+    renamed out of the step-N namespace (atomic), then deleted. A crash in between
+    leaves a `.deleting-*` folder, which nothing reads and the next prune removes."""
+    doomed = path.with_name(f".deleting-{path.name}-{os.getpid()}")
+    try:
+        os.replace(path, doomed)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def load(engine, path: Path, recipe: Recipe, fingerprint: dict[str, Any]) -> TrainState:

@@ -1,7 +1,9 @@
 """Rank-0 tracking: trackio (local SQLite, offline), metrics.jsonl and a progress bar with ETA.
 
 `<train.output_dir>/metrics.jsonl` gets one JSON line per logged step (what trackio
-gets), so a run's curves can be read without trackio.
+gets), so a run's curves can be read without trackio. A resumed run first cuts the file
+back to the checkpoint's step (lines past it are logged again, and a line a kill left
+half-written is dropped), so the file reads as one uninterrupted history.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Tracker:
         self.jsonl = Path(recipe.train.output_dir) / "metrics.jsonl"
         if self.active:
             self.jsonl.parent.mkdir(parents=True, exist_ok=True)
+            rewind_jsonl(self.jsonl, start_step)
         if self.active and recipe.tracking.enabled:
             if recipe.tracking.dir or "TRACKIO_DIR" not in os.environ:
                 os.environ["TRACKIO_DIR"] = str(Path(trackio_dir).resolve())
@@ -78,3 +81,24 @@ class Tracker:
         if self._run is not None:
             self._trackio.finish()
             self._run = None
+
+
+def rewind_jsonl(path: Path, step: int) -> int:
+    """Keep the complete lines of `path` logged at or before `step`; returns lines dropped."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            record = json.loads(line) if line.endswith("\n") else None
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict) and record.get("step", 0) <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+    return dropped

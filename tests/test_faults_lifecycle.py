@@ -1,0 +1,159 @@
+"""Faults of the job itself on CPU (2 gloo ranks, live hf target, 150 tiny steps), each
+checked against one uninterrupted run: the loss of every step and the final weights
+must be equal, bitwise.
+
+- SIGTERM to one rank, SIGINT to torchrun: the job saves at the next step boundary and
+  exits (status non-zero: not finished) within one step and one save; --resume auto
+  continues exactly.
+- Only the launcher dies (SIGKILL of torchrun): its ranks notice, save and exit; a second
+  job on the same output_dir is refused while they live, naming the holder's host and pid.
+- Two nodes of one rank each (torchrun --nnodes 2, c10d rendezvous on localhost) train as
+  --nproc_per_node 2 does, and resume across a restart of both.
+- Chaos: four random hits (SIGKILL of the whole job, of one rank, of a target worker,
+  SIGTERM), each followed by --resume auto.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from tests.faults_helpers import (
+    assert_same_run,
+    finish,
+    kill_job,
+    launch,
+    losses,
+    ranks,
+    send,
+    wait_step,
+    workers,
+)
+from tests.live_sglang import free_port
+
+pytestmark = pytest.mark.slow
+STOP_BOUND_S = 30.0
+"""A stop request must end the job within this (one tiny step + one save, generously)."""
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_target_dir):
+    out = tmp_path_factory.mktemp("faults") / "uninterrupted"
+    job = launch(out, "--resume", "none")
+    assert job.wait(600) == 0, (out / "job-node0.log").read_text()[-3000:]
+    return out
+
+
+def _stop_and_check(job, out, target, sig) -> float:
+    """Send `sig` to `target` (a rank or the launcher); return seconds until the job ended."""
+    before = max(losses(out))
+    t0 = send(target, sig)
+    rc = job.wait(120)
+    took = time.monotonic() - t0
+    log = (out / "job-node0.log").read_text()
+    assert rc != 0, "a stopped run must not exit like a finished one"
+    assert f"{sig.name}: stopping at the next step boundary" in log, log[-2000:]
+    saved = [int(p.name[5:]) for p in (out / "ckpt").glob("step-*") if (p / "COMPLETE").exists()]
+    assert max(saved) > before, f"no checkpoint after step {before}: {sorted(saved)}"
+    assert took <= STOP_BOUND_S, f"{sig.name}: the job took {took:.1f}s to stop"
+    return took
+
+
+def test_sigterm_to_a_rank_and_sigint_to_torchrun_save_and_resume_exactly(reference, tmp_path):
+    out = tmp_path / "signals"
+    job = launch(out, "--resume", "none")
+    wait_step(out, 40, job)
+    term_s = _stop_and_check(job, out, ranks(job)[1], signal.SIGTERM)
+    job = launch(out, "--resume", "auto")
+    wait_step(out, 95, job)
+    int_s = _stop_and_check(job, out, job, signal.SIGINT)
+    assert finish(out) == 0
+    assert_same_run(out, reference)
+    print(f"SIGTERM to rank 1: stopped in {term_s:.1f}s; SIGINT to torchrun: {int_s:.1f}s")
+
+
+def test_a_dead_launcher_stops_its_ranks_and_a_second_job_is_refused(reference, tmp_path):
+    out = tmp_path / "orphans"
+    job = launch(out, "--resume", "none")
+    wait_step(out, 30, job)
+    orphans = ranks(job)
+    holder = json.loads((out / ".run.lock").read_text())
+    assert holder["pid"] in [p.pid for p in orphans]
+    second = launch(out, "--resume", "auto", log="second.log")
+    assert second.wait(300) != 0
+    text = (out / "second.log").read_text()
+    assert f"in use by a live job (host {socket.gethostname()}, pid {holder['pid']}" in text
+
+    t0 = send(job, signal.SIGKILL)  # the launcher only: its ranks live in their own sessions
+    job.wait(30)
+    gone, alive = psutil.wait_procs(orphans, timeout=120)
+    took = time.monotonic() - t0
+    assert not alive, "orphaned ranks still running"
+    assert took <= STOP_BOUND_S, f"orphaned ranks took {took:.1f}s to stop"
+    assert "launcher (pid" in (out / "job-node0.log").read_text()
+    assert finish(out) == 0  # the stale lock of the dead job is taken over
+    assert "took over" in (out / "job-node0.log").read_text()
+    assert_same_run(out, reference)
+    print(f"launcher killed: its ranks saved and exited in {took:.1f}s")
+
+
+def test_two_nodes_match_one_node_and_resume_across_a_restart(reference, tmp_path):
+    out = tmp_path / "nodes"
+    port = free_port()
+    nodes = [launch(out, "--resume", "none", nodes=2, node_rank=n, port=port) for n in (0, 1)]
+    wait_step(out, 60, *nodes)
+    for job in nodes:
+        kill_job(job)  # the whole job, both nodes
+    port = free_port()
+    nodes = [launch(out, "--resume", "auto", nodes=2, node_rank=n, port=port) for n in (0, 1)]
+    assert [job.wait(600) for job in nodes] == [0, 0], (out / "job-node1.log").read_text()[-2000:]
+    assert_same_run(out, reference)
+
+
+HITS = ["kill the job", "kill a rank", "kill a target worker", "SIGTERM"]
+
+
+def _hit(job, hit: str, rng: random.Random) -> None:
+    if hit == "kill the job":
+        kill_job(job)
+    elif hit == "kill a rank":
+        ranks(job)[rng.randrange(2)].kill()
+    elif hit == "kill a target worker":
+        workers(ranks(job)[rng.randrange(2)])[0].kill()
+    else:
+        send(job, signal.SIGTERM)
+
+
+def test_chaos_four_random_hits_each_resumed_give_the_uninterrupted_run(reference, tmp_path):
+    seed = int(os.environ.get("SPECFORGE_CHAOS_SEED", time.time_ns() % 10_000))
+    rng = random.Random(seed)
+    hits = rng.sample(HITS, len(HITS))
+    at = [base + rng.randint(-6, 6) for base in (25, 50, 75, 100)]  # >= 13 steps apart
+    plan = ", ".join(f"{h} at {s}" for h, s in zip(hits, at, strict=True))
+    print(f"chaos seed {seed}: {plan}")
+    out = tmp_path / "chaos"
+    job = launch(out, "--resume", "none")
+    in_place = []
+    for hit, step in zip(hits, at, strict=True):
+        if job.poll() is not None:  # the last hit ended it: continue the run
+            assert job.returncode != 0, f"the run finished before the hit at step {step}"
+            job = launch(out, "--resume", "auto")
+        wait_step(out, step, job)
+        _hit(job, hit, rng)
+        try:
+            job.wait(3 if hit == "kill a target worker" else 120)
+        except subprocess.TimeoutExpired:  # still training: the worker was restarted
+            in_place.append(hit)
+    if job.poll() is not None:
+        job = launch(out, "--resume", "auto")
+    assert job.wait(600) == 0, (out / "job-node0.log").read_text()[-3000:]
+    assert_same_run(out, reference)
+    print(f"chaos ({plan}): recovered in place from {in_place or 'nothing'}")
