@@ -141,19 +141,22 @@ def test_chaos_four_random_hits_each_resumed_give_the_uninterrupted_run(referenc
     print(f"chaos seed {seed}: {plan}")
     out = tmp_path / "chaos"
     job = launch(out, "--resume", "none")
-    in_place = []
+    in_place = []  # hits the job survived (a restarted target worker)
     for hit, step in zip(hits, at, strict=True):
         if job.poll() is not None:  # the last hit ended it: continue the run
             assert job.returncode != 0, f"the run finished before the hit at step {step}"
             job = launch(out, "--resume", "auto")
         wait_step(out, step, job)
+        if in_place and in_place[-1][1] is job:
+            in_place[-1] = (in_place[-1][0], None)  # it lived on to this hit
         _hit(job, hit, rng)
         try:
             job.wait(3 if hit == "kill a target worker" else 120)
-        except subprocess.TimeoutExpired:  # still training: the worker was restarted
-            in_place.append(hit)
+        except subprocess.TimeoutExpired:
+            in_place.append((hit, job))
     if job.poll() is not None:
         job = launch(out, "--resume", "auto")
+    survived = [h for h, j in in_place if j is None or j is job]
     assert job.wait(600) == 0, (out / "job-node0.log").read_text()[-3000:]
     assert_same_run(out, reference)
-    print(f"chaos ({plan}): recovered in place from {in_place or 'nothing'}")
+    print(f"chaos ({plan}): the job lived through {survived or 'none of them'}")
