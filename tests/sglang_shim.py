@@ -5,9 +5,9 @@ imports torchvision at module level, and PyPI's torchvision cannot import beside
 torch. `import_sglang` therefore:
 1. lets transformers decide (and cache) that torchvision is NOT available, so none of its
    own code tries to use the stand-in below;
-2. registers an inert `torchvision` module tree: any `torchvision.*` submodule imports as
-   an empty package whose unknown attributes are placeholder classes, plus a real
-   `InterpolationMode` enum (used in SGLang's module-level defaults);
+2. registers the inert `torchvision` of the CPU-engine servers (engines/cpu_shims/): any
+   `torchvision.*` submodule imports as an empty package whose unknown attributes are
+   placeholder classes, plus a real `InterpolationMode` enum (used in SGLang's defaults);
 3. imports the requested SGLang module.
 Besides the `sglang` extra of pyproject.toml, `import sglang` needs `triton`,
 `apache-tvm-ffi==0.1.11` and `compressed-tensors==0.18.0`; `SglangUnavailable` says which
@@ -16,49 +16,29 @@ import failed.
 
 from __future__ import annotations
 
-import enum
 import importlib
-import importlib.abc
-import importlib.machinery
+import importlib.util
 import sys
 import types
+
+from specforge_dspark.engines.sglang import CPU_SHIMS
 
 
 class SglangUnavailable(ImportError):
     """SGLang (or one of its light dependencies) cannot be imported here."""
 
 
-class InterpolationMode(enum.Enum):
-    NEAREST = "nearest"
-    NEAREST_EXACT = "nearest-exact"
-    BILINEAR = "bilinear"
-    BICUBIC = "bicubic"
-    BOX = "box"
-    HAMMING = "hamming"
-    LANCZOS = "lanczos"
-
-
-class _InertModule(types.ModuleType):
-    def __getattr__(self, name: str) -> type:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return type(name, (), {})
-
-
-class _InertTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname == "torchvision" or fullname.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = _InertModule(spec.name)
-        module.__path__ = []
-        module.InterpolationMode = InterpolationMode
-        return module
-
-    def exec_module(self, module) -> None:
-        return None
+def _install_inert_torchvision() -> None:
+    """The CPU-engine server's inert torchvision (engines/cpu_shims/torchvision), loaded
+    under its own name; the shim folder is not put on sys.path, so this process does
+    not see the server's sgl_kernel stand-in."""
+    if "torchvision" in sys.modules:
+        return
+    init = CPU_SHIMS / "torchvision" / "__init__.py"
+    spec = importlib.util.spec_from_file_location("torchvision", init)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["torchvision"] = module
+    spec.loader.exec_module(module)
 
 
 def import_sglang(name: str) -> types.ModuleType:
@@ -66,8 +46,7 @@ def import_sglang(name: str) -> types.ModuleType:
     from transformers.utils import import_utils
 
     import_utils.is_torchvision_available()  # cached before the stand-in exists
-    if not any(isinstance(f, _InertTorchvision) for f in sys.meta_path):
-        sys.meta_path.insert(0, _InertTorchvision())
+    _install_inert_torchvision()
     try:
         return importlib.import_module(name)
     except ImportError as e:
