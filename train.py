@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import math
 import os
 import sys
@@ -49,8 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.dry_run:
         return dry_run(recipe)
-    from specforge_dspark.checkpoint import ResumeError
+    from specforge_dspark.checkpoint import CheckpointWriteError, ResumeError
+    from specforge_dspark.engines.features import TargetLost
     from specforge_dspark.lifecycle import RunLockError
+    from specforge_dspark.nonfinite import NonFiniteError
 
     where = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
     try:
@@ -59,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ResumeError, RecipeError, RunLockError, ValueError, FileNotFoundError) as e:
         print(f"{where}error: {e}", file=sys.stderr)
         return 2
+    except (CheckpointWriteError, NonFiniteError, TargetLost, TimeoutError) as e:
+        print(f"{where}error: {e}", file=sys.stderr)  # a fault during the run, said plainly
+        return 1
     if stopped:  # state saved; not a finished run, so not exit status 0
         print(f"{where}stopped early ({stopped}); continue with --resume auto", file=sys.stderr)
         return EXIT_STOPPED
@@ -170,7 +176,8 @@ def deepspeed_config(recipe: Recipe, device: torch.device) -> dict:
         "gradient_accumulation_steps": recipe.train.grad_accum,
         "gradient_clipping": recipe.optim.grad_clip,
         "zero_optimization": {"stage": recipe.dist.zero_stage},
-        "bf16": {"enabled": bf16},
+        # skip a step whose gradient norm is non-finite (nonfinite.py; fp32 ZeRO always does)
+        "bf16": {"enabled": bf16, "check_grad_overflow": True},
         "steps_per_print": 10**12,
         "wall_clock_breakdown": False,
     }
@@ -257,6 +264,7 @@ def build(recipe: Recipe, resume: str | None) -> Run:
         lr_scheduler=sched,
         config=deepspeed_config(recipe, device),
     )
+    _warn_if_no_skip(engine, recipe, rank)
     state = checkpoint.TrainState()
     if resume_path is not None:
         state = checkpoint.load(engine, resume_path, recipe, fingerprint)
@@ -278,6 +286,20 @@ def build(recipe: Recipe, resume: str | None) -> Run:
         fingerprint,
         lock,
     )
+
+
+def _warn_if_no_skip(engine, recipe: Recipe, rank: int) -> None:
+    from specforge_dspark.nonfinite import skip_supported
+
+    precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+    if rank == 0 and not skip_supported(recipe.dist.zero_stage, precision):
+        print(
+            f"warning: dist.zero_stage={recipe.dist.zero_stage} with {precision}: DeepSpeed "
+            "does not skip a non-finite update here, so train.max_nonfinite_steps is ignored "
+            "and a non-finite step stops the run; ZeRO-1 or 2 skip it",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _check_head_matches(recipe: Recipe, head) -> None:
@@ -326,6 +348,16 @@ def batches(run: Run, start_micro: int):
                     yield [_sample(run.eval_set[r], Sample, id_base=EVAL_ID)]
 
 
+def _record_trained(run: Run, micro_step: int, sample_ids: list[int], trained: bool) -> None:
+    """SPECFORGE_TRAINED_IDS=<dir> (a test hook): append each micro-batch's sample ids to
+    <dir>/rank<r>.jsonl, in training order; `trained` is false for a skipped update."""
+    where = os.environ.get("SPECFORGE_TRAINED_IDS")
+    if where:
+        record = {"micro_step": micro_step + 1, "sample_ids": sample_ids, "trained": trained}
+        with open(Path(where) / f"rank{run.rank}.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
 def _eval_rows(run: Run) -> range:
     n = min(len(run.eval_set), EVAL_ROWS) // run.world * run.world  # same count on every rank
     return range(run.rank, n, run.world)
@@ -365,11 +397,19 @@ def objective(run: Run, feats, generator: torch.Generator):
     )
 
 
-def train_step(run: Run, feats, micro_step: int):
-    """Forward + backward of one micro-batch; returns the objective's output."""
+def train_step(run: Run, feats, micro_step: int, guard):
+    """Forward + backward of one micro-batch; returns the objective's output, or None
+    when this step's update is skipped (nonfinite.py: samples with non-finite features
+    are masked out first; a non-finite loss on any rank makes every rank backpropagate a
+    NaN surrogate instead, which DeepSpeed's overflow check turns into a skipped update)."""
+    from specforge_dspark.nonfinite import nan_loss
+
+    feats = guard.screen(feats.to(run.device), micro_step)
     out = objective(run, feats, anchor_generator(run, micro_step))
-    run.engine.backward(out.loss)
-    return out
+    boundary = run.engine.is_gradient_accumulation_boundary()
+    loss = guard.check(out.loss, feats.sample_ids, micro_step, boundary)  # collective
+    run.engine.backward(nan_loss(run.engine.module) if loss is None else loss)
+    return None if loss is None else out
 
 
 @torch.no_grad()
@@ -383,6 +423,7 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
     from specforge_dspark import checkpoint
     from specforge_dspark.export import export_checkpoint
     from specforge_dspark.lifecycle import StopRequest, watch_launcher
+    from specforge_dspark.nonfinite import NonFiniteError, NonFiniteGuard
     from specforge_dspark.stream import FeatureStream
     from specforge_dspark.tracking import Tracker
 
@@ -400,6 +441,7 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
     watch_launcher(stop)
     stopped: str | None = None
     stream = FeatureStream(r, rank=run.rank, world_size=run.world)
+    guard = NonFiniteGuard(r, run.rank, run.device, state.step)
     with stream:
         for feats in stream.iterate(batches(run, state.micro_step)):
             if state.step >= run.total_steps:
@@ -412,20 +454,30 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
                     )
                     evals = []
                 continue
-            out = train_step(run, feats, state.micro_step)
+            out = train_step(run, feats, state.micro_step, guard)
+            _record_trained(run, state.micro_step, feats.sample_ids, out is not None)
             boundary = eng.is_gradient_accumulation_boundary()
-            eng.step()
+            eng.step()  # at a boundary: the update, or DeepSpeed's skip of a non-finite one
             state.micro_step += 1
             state.epoch = state.micro_step // run.micro_per_epoch
             state.tokens += int(feats.loss_mask.sum())
-            window.append(out.log_dict())
+            if out is not None:
+                window.append(out.log_dict())
             if not boundary:
                 continue
             state.step += 1
             tracker.advance()
-            if state.step % r.train.log_interval == 0 or state.step == run.total_steps:
+            report = guard.after_step(eng, state)  # collective when some rank saw a problem
+            for line in report.lines:
+                tracker.write(line)
+            if (
+                state.step % r.train.log_interval == 0
+                or state.step == run.total_steps
+                or report.skipped
+            ):
                 now = time.time()
-                metrics = _reduce_metrics(window)
+                metrics = _reduce_metrics(window) if window else {}
+                metrics.update(report.metrics)
                 metrics.update(
                     lr=eng.get_lr()[0],
                     grad_norm=float(eng.get_global_grad_norm() or 0.0),
@@ -433,15 +485,20 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
                     wait_fraction=(stream.wait_seconds - wait_last) / max(now - t_last, 1e-9),
                     epoch=state.epoch,
                 )
+                if report.skipped:
+                    metrics.pop("grad_norm")  # inf: DeepSpeed's mark of a skipped step
                 tracker.log(state.step, metrics)
                 t_last, wait_last, tokens_last = now, stream.wait_seconds, state.tokens
                 window = []
             last = state.step == run.total_steps or state.step == stop_at_step
             stopping = not last and stop.agreed(run.device)  # collective, every step
-            if state.step % r.checkpoint.save_interval == 0 or last or stopping:
+            halt = report.stop  # too many non-finite steps in a row: save, then fail
+            if state.step % r.checkpoint.save_interval == 0 or last or stopping or halt:
                 keep = r.checkpoint.keep_last
                 path = checkpoint.save(eng, run.dirs["checkpoint"], state, r, keep, run.fingerprint)
                 tracker.write(f"step {state.step}: saved {path}")
+            if halt:
+                raise NonFiniteError(f"{halt}; saved them in {path}")
             if stopping:
                 stopped = stop.reason or "another rank was asked to stop"
                 tracker.write(f"step {state.step}: stopped ({stopped}); resume with --resume auto")

@@ -9,7 +9,9 @@ Layout of one checkpoint, `<checkpoint.dir>/step-<N>/`:
     COMPLETE              written last, after every rank has finished writing
 
 A directory without COMPLETE does not count: `--resume auto` skips it, and a crash in
-the middle of a save leaves the previous checkpoint untouched.
+the middle of a save leaves the previous checkpoint untouched, and a save that fails
+(disk full, permissions, I/O) raises CheckpointWriteError on every rank, naming the path
+and the bytes needed, after removing its partial directory and pruning nothing.
 
 The fingerprint pins what the recipe alone does not: `features` (the target's files,
 quantization, dtype and aux tap convention: what the features ARE, whichever backend
@@ -50,11 +52,14 @@ MAY_CHANGE_ON_RESUME = (
     "train.log_interval",
     "train.eval_interval",
     "train.output_dir",
+    "train.max_nonfinite_steps",
     "checkpoint.",
     "tracking.",
     "export.",
     "target.prefetch",
     "target.timeout_s",
+    "target.max_restarts",
+    "target.restart_backoff_s",
     "target.device",
     "target.backend",
     "target.offline_dir",
@@ -78,6 +83,10 @@ class TrainState:
     micro_step: int = 0
     epoch: int = 0
     tokens: int = 0
+    nonfinite_steps: int = 0
+    """Optimizer steps skipped for a non-finite loss or gradient (nonfinite.py)."""
+    nonfinite_samples: int = 0
+    """Samples not trained on for non-finite target features."""
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -287,33 +296,144 @@ def save(
     fingerprint: dict[str, Any],
 ) -> Path:
     """Collective: every rank calls it. Returns the step directory. `fingerprint`: see
-    `check_compatible`."""
+    `check_compatible`.
+
+    A write that fails on any rank (disk full, permissions, I/O error) raises
+    CheckpointWriteError on every rank, naming the path and the bytes needed, once the
+    partial directory is removed; nothing is pruned, so the previous checkpoint stays
+    complete and `--resume auto` continues from it. Every rank passes the same
+    collectives whichever rank fails, so none is left waiting."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     path = step_dir(root, state.step)
-    if rank == 0 and path.exists():  # a stale partial save of the same step
-        remove(path)
-    _barrier()
-    engine.save_checkpoint(str(root), tag=path.name, save_latest=False)
-    rank_state = {"train_state": asdict(state), "rng": rng_state()}
-    buf = _to_bytes(rank_state)
-    _atomic_write(path / f"rank{rank:05d}_state.pt", buf)
-    _fault_drill(state.step)
-    _barrier()
+    drill = _storage_drill(state.step, rank)
+    try:
+        failed = _attempt(_fresh_dir, path) if rank == 0 else None
+        _check_written(failed, engine, root, path)
+        failed = _attempt(engine.save_checkpoint, str(root), tag=path.name, save_latest=False)
+        if failed is not None:
+            _barrier()  # the barrier DeepSpeed's save ends with, where the others wait
+        else:
+            rank_state = {"train_state": asdict(state), "rng": rng_state()}
+            rank_file = path / f"rank{rank:05d}_state.pt"
+            failed = _attempt(_atomic_write, rank_file, _to_bytes(rank_state))
+        _fault_drill(state.step)
+        _check_written(failed, engine, root, path)
+        if rank == 0:
+            meta = {
+                "format_version": FORMAT_VERSION,
+                "world_size": world,
+                "recipe_hash": recipe.section_hash(),
+                "recipe": recipe.to_dict(),
+                "fingerprint": fingerprint,
+                **asdict(state),
+            }
+            failed = _attempt(
+                _atomic_write, path / "train_state.json", json.dumps(meta, indent=1).encode()
+            )
+            failed = failed or _attempt(_atomic_write, path / MARKER, b"")
+        _check_written(failed, engine, root, path)
+    finally:
+        drill()
     if rank == 0:
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "world_size": world,
-            "recipe_hash": recipe.section_hash(),
-            "recipe": recipe.to_dict(),
-            "fingerprint": fingerprint,
-            **asdict(state),
-        }
-        _atomic_write(path / "train_state.json", json.dumps(meta, indent=1).encode())
-        _atomic_write(path / MARKER, b"")
         prune(root, keep_last)
     _barrier()
     return path
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; the message names the path and the bytes needed."""
+
+
+def _fresh_dir(path: Path) -> None:
+    """No stale partial save of the same step, and the root exists (so that DeepSpeed's
+    own first write is a file inside it, past its collectives' first barrier)."""
+    if path.exists():
+        remove(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _attempt(fn, *args, **kwargs) -> Exception | None:
+    """Run one write; its error (torch's writer raises RuntimeError) is returned, not
+    raised, so that the rank still reaches the collectives the others are in."""
+    try:
+        fn(*args, **kwargs)
+    except (OSError, RuntimeError) as e:
+        return e
+    return None
+
+
+def _check_written(failed: Exception | None, engine, root: Path, path: Path) -> None:
+    """Collective: if a write failed on any rank, remove the partial `path` and raise
+    CheckpointWriteError everywhere (the failing ranks with their details)."""
+    if not _any_rank(failed is not None):
+        return
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        _attempt(remove, path)  # best effort: the missing marker already voids it
+    _barrier()
+    need, basis = bytes_needed(engine, root)
+    free = shutil.disk_usage(root).free if root.is_dir() else 0
+    prev = latest_complete(root)
+    what = (
+        f"rank {rank}: {_describe(failed)}"
+        if failed is not None
+        else "another rank (see its error)"
+    )
+    raise CheckpointWriteError(
+        f"checkpoint {path}: writing failed on {what}. It needs about {need:,} bytes "
+        f"({basis}); {free:,} bytes free in {root}{_likely_cause(need, free)}. The partial "
+        f"{path.name} was removed and nothing was pruned: "
+        + (
+            f"{prev} is complete, --resume auto continues from it. "
+            if prev
+            else "no earlier checkpoint. "
+        )
+        + "Free space, fix the permissions, or set checkpoint.dir to another disk."
+    ) from failed
+
+
+def _likely_cause(need: int, free: int) -> str:
+    """torch's writer reports a short write without its errno: name what we can see."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if free < need:
+        return " (not enough free space)"
+    if limit != resource.RLIM_INFINITY and limit < need:
+        return f" (this process may write no file over {limit:,} bytes: ulimit -f)"
+    return ""
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        where = f" ({e.filename})" if e.filename else ""
+        return f"{e.strerror} [errno {e.errno}]{where}"
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def bytes_needed(engine, root: Path) -> tuple[int, str]:
+    """About how many bytes one checkpoint takes: the size of the latest complete one,
+    else the model's weights plus fp32 master weights and two Adam moments."""
+    prev = latest_complete(root)
+    if prev is not None:
+        return sum(
+            f.stat().st_size for f in prev.rglob("*") if f.is_file()
+        ), f"the size of {prev.name}"
+    params = list(engine.module.parameters())
+    n = sum(p.numel() for p in params)
+    weights = sum(p.numel() * p.element_size() for p in params)
+    return weights + 12 * n, "weights + fp32 master weights and Adam moments, estimated"
+
+
+def _any_rank(flag: bool) -> bool:
+    """Collective (also a barrier): whether `flag` is set on any rank."""
+    if not dist.is_initialized():
+        return flag
+    cuda = dist.get_backend() == "nccl"
+    t = torch.tensor([float(flag)], device=f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def prune(root: Path, keep_last: int) -> None:
@@ -365,6 +485,26 @@ def _fault_drill(step: int) -> None:
     weights are written and before the marker (a preemption drill for tests and operators)."""
     if os.environ.get("SPECFORGE_KILL_DURING_SAVE") == str(step):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _storage_drill(step: int, rank: int):
+    """SPECFORGE_CKPT_FSIZE=N:BYTES[@RANK] (a storage-fault drill for tests): while saving
+    step N, this rank (every rank when @RANK is left out) may write no file larger than
+    BYTES (RLIMIT_FSIZE; SIGXFSZ ignored, so a write fails with EFBIG). Returns the undo."""
+    m = re.match(r"^(\d+):(\d+)(@(\d+))?$", os.environ.get("SPECFORGE_CKPT_FSIZE", ""))
+    if m is None or int(m.group(1)) != step or m.group(4) not in (None, str(rank)):
+        return lambda: None
+    import resource
+
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(m.group(2)), old_limit[1]))
+
+    def undo() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+
+    return undo
 
 
 def _to_bytes(obj: Any) -> bytes:

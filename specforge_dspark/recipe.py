@@ -57,7 +57,13 @@ class TargetRecipe:
     batch_size: int = 1
     """Sequences per target request."""
     timeout_s: float = 300.0
-    """A request not answered within this time fails the run (no hang)."""
+    """A request not answered within this time counts as a hung worker (no hang)."""
+    max_restarts: int = 3
+    """A dead or hung worker (hf backend) is restarted and its in-flight requests re-sent,
+    at most this many times in a row (a request answered in between resets the count);
+    past that the run fails naming the worker. 0 = fail at once."""
+    restart_backoff_s: float = 1.0
+    """Wait before the k-th restart in a row: restart_backoff_s * 2**(k-1) seconds."""
     offline_dir: str = ""
     """Feature shards written by `python -m specforge_dspark.capture` (backend offline)."""
     tiny_arch: Literal["", "inkling", "qwen3"] = ""
@@ -168,6 +174,10 @@ class TrainRecipe:
     eval_interval: int = 0
     """Run the teacher-forced metrics on data.eval_files every N steps (0 = never)."""
     output_dir: str = "runs/default"
+    max_nonfinite_steps: int = 10
+    """An optimizer step whose loss or gradient is non-finite (on any rank) is skipped: no
+    weight, optimizer or LR-scheduler change. This many skipped steps in a row stop the
+    run, saving the last good state."""
 
 
 @dataclass
@@ -450,6 +460,10 @@ def validate(r: Recipe) -> list[str]:
     need(t.log_interval >= 1, "train.log_interval must be >= 1")
     need(t.eval_interval >= 0, "train.eval_interval must be >= 0")
     need(
+        t.max_nonfinite_steps >= 1,
+        f"train.max_nonfinite_steps must be >= 1, got {t.max_nonfinite_steps}",
+    )
+    need(
         t.eval_interval == 0 or bool(r.data.eval_files),
         "train.eval_interval > 0 needs data.eval_files (set one or set the interval to 0)",
     )
@@ -463,6 +477,8 @@ def validate(r: Recipe) -> list[str]:
     need(g.prefetch >= 1, f"target.prefetch must be >= 1, got {g.prefetch}")
     need(g.batch_size >= 1, "target.batch_size must be >= 1")
     need(g.timeout_s > 0, "target.timeout_s must be > 0")
+    need(g.max_restarts >= 0, f"target.max_restarts must be >= 0, got {g.max_restarts}")
+    need(g.restart_backoff_s >= 0, "target.restart_backoff_s must be >= 0")
     need(
         g.backend != "offline" or bool(g.offline_dir),
         "target.offline_dir must be set when target.backend is offline",

@@ -9,10 +9,16 @@
 `target.prefetch` requests stay in flight; results come back in the order of `batches`
 with their sample ids. Memory is bounded: prefetch + 1 shared-memory slots per rank
 (in flight + the one the caller holds), reused round-robin, so a yielded batch's tensors
-are valid until the iterator advances. A dead worker or server raises RuntimeError
-naming it; an unanswered request raises TimeoutError after `target.timeout_s`. While the
-stream is open, SIGTERM raises SystemExit(143) in the main thread (SIGINT raises
-KeyboardInterrupt as usual), so `with` unwinds and the engine is stopped cleanly.
+are valid until the iterator advances. A dead worker (`TargetLost`) or one that leaves a
+request unanswered for `target.timeout_s` (TimeoutError) is restarted, when its engine
+can (`restart()`: the hf backend), after `target.restart_backoff_s * 2**(k-1)` seconds for
+the k-th restart in a row; the requests in flight are then re-sent in their order, so
+the caller sees the same batches in the same order, each once, and a deterministic
+target recomputes the same features. Past `target.max_restarts` restarts in a row (with
+no request answered in between), or for an engine that cannot restart, the error is
+raised naming the worker (and the budget). While the stream is open, SIGTERM raises
+SystemExit(143) in the main thread (SIGINT raises KeyboardInterrupt as usual), so `with`
+unwinds and the engine is stopped cleanly.
 
 `bench_main` (python -m specforge_dspark.bench stream) measures the stream; see there.
 """
@@ -29,7 +35,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from specforge_dspark.engines.features import PaddedBatch, TargetFeatures, pad_batch
+from specforge_dspark.engines.features import PaddedBatch, TargetFeatures, TargetLost, pad_batch
 
 
 class Engine(Protocol):
@@ -76,10 +82,16 @@ class FeatureStream:
     def __init__(self, recipe, rank: int = 0, world_size: int = 1):
         self.prefetch = recipe.target.prefetch
         self.timeout_s = recipe.target.timeout_s
+        self.max_restarts = recipe.target.max_restarts
+        self.restart_backoff_s = recipe.target.restart_backoff_s
+        self.rank = rank
         self.wait_seconds = 0.0
         """Cumulative seconds `iterate` blocked its caller waiting for features."""
         self.bytes_out = 0
         """Feature bytes (aux + last hidden) yielded so far."""
+        self.restarts: list[dict[str, Any]] = []
+        """One record per engine restart: why, backoff and restart seconds, re-sent count."""
+        self._in_a_row = 0  # restarts since the last answered request
         self._seq = 0
         self._old_sigterm: Any = None
         self.engine = make_engine(recipe, rank, world_size, num_slots=self.prefetch + 1)
@@ -123,16 +135,71 @@ class FeatureStream:
 
         top_up()
         while pending:
-            seq, batch, submitted = pending.popleft()
+            seq, batch, submitted = pending[0]
             # Per-request clock: from when the engine could start on it.
             deadline = max(submitted, last_answer) + self.timeout_s
             t0 = time.monotonic()
-            feats = self.engine.result(seq, batch, deadline)
+            try:
+                feats = self.engine.result(seq, batch, deadline)
+            except (TargetLost, TimeoutError) as e:
+                self._restart(e, pending)  # or raises
+                last_answer = time.monotonic()
+                self.wait_seconds += last_answer - t0
+                continue
+            pending.popleft()
+            self._in_a_row = 0
             last_answer = time.monotonic()
             self.wait_seconds += last_answer - t0
             self.bytes_out += _nbytes(feats)
             top_up()  # reuses the slot of the batch the caller just released
             yield feats
+
+    def _restart(self, error: Exception, pending: deque) -> None:
+        """Restart the engine after `error` and re-send `pending` in order (each keeps its
+        sequence number, hence its slot); raise the error once the budget is spent."""
+        restart = getattr(self.engine, "restart", None)
+        if restart is None:  # e.g. sglang: the server is not ours to restart
+            raise error
+        while True:
+            if self._in_a_row >= self.max_restarts:
+                budget = f"target.max_restarts={self.max_restarts}"
+                raise type(error)(
+                    f"{error} (gave up after {self._in_a_row} restart(s) in a row: {budget})"
+                ) from error
+            self._in_a_row += 1
+            backoff = self.restart_backoff_s * 2 ** (self._in_a_row - 1)
+            first_line = str(error).splitlines()[0]
+            _say(
+                f"[rank {self.rank}] {first_line}; restart {self._in_a_row} of at most "
+                f"{self.max_restarts} in {backoff:g}s, then re-sending {len(pending)} request(s)"
+            )
+            time.sleep(backoff)
+            t0 = time.monotonic()
+            try:
+                restart()
+                for seq, batch, _ in pending:
+                    self.engine.submit(seq, batch)
+            except (TargetLost, TimeoutError) as e:
+                error = e
+                continue
+            now = time.monotonic()
+            for i, (seq, batch, _) in enumerate(pending):
+                pending[i] = (seq, batch, now)
+            took = now - t0
+            self.restarts.append(
+                {
+                    "error": first_line,
+                    "backoff_s": backoff,
+                    "restart_s": took,
+                    "resent": len(pending),
+                }
+            )
+            _say(f"[rank {self.rank}] restarted as {self.engine.name} in {took:.2f}s")
+            return
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _nbytes(f: TargetFeatures) -> int:

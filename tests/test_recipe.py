@@ -108,6 +108,9 @@ def test_problems_are_collected_into_one_error(tmp_path):
         ({"export": {"formats": ["sglang", "onnx"]}}, "export.formats[1]: 'onnx'"),
         ({"draft": {"enable_confidence_head": "yes"}}, "expected true/false"),
         ({"dist": {"zero_stage": 4}}, "dist.zero_stage must be 0-3"),
+        ({"train": {"max_nonfinite_steps": 0}}, "train.max_nonfinite_steps must be >= 1"),
+        ({"target": {"max_restarts": -1}}, "target.max_restarts must be >= 0"),
+        ({"target": {"restart_backoff_s": -1}}, "target.restart_backoff_s must be >= 0"),
     ],
 )
 def test_bad_values(raw, needle):

@@ -118,7 +118,7 @@ def test_abandoned_iteration_does_not_leak_into_the_next(stream, reference):
 
 def test_stalled_worker_hits_the_timeout(stream):
     pid = stream.engine.proc.pid
-    stream.timeout_s = 1.5
+    stream.timeout_s, stream.max_restarts = 1.5, 0  # restarts: tests/test_faults_worker.py
     os.kill(pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
@@ -127,7 +127,7 @@ def test_stalled_worker_hits_the_timeout(stream):
         assert time.monotonic() - t0 < 10
     finally:
         os.kill(pid, signal.SIGCONT)
-        stream.timeout_s = 60
+        stream.timeout_s, stream.max_restarts = 60, 3
 
 
 def test_hf_features_equal_offline_features_read_back(stream, recipe, tmp_path, tiny_target_dir):
@@ -152,7 +152,7 @@ TRAINER = textwrap.dedent(
     from specforge_dspark.engines.features import Sample
 
     recipe = recipe_from_dict({
-        "target": {"path": sys.argv[1], "prefetch": 2, "timeout_s": 60},
+        "target": {"path": sys.argv[1], "prefetch": 2, "timeout_s": 60, "max_restarts": 0},
         "draft": {"target_layer_ids": [0, 1], "num_target_layers": 4, "vocab_size": 1088},
     })
     batches = ([Sample(i, [5 + i % 50] * 16, [1] * 16)] for i in itertools.count())
@@ -185,6 +185,7 @@ def test_killed_worker_fails_the_trainer_within_30s(tmp_path, tiny_target_dir):
         err = trainer.stderr.read()
         assert code != 0, err
         assert re.search(r"hf target worker for rank 0 \(pid \d+\) died", err), err
+        assert "target.max_restarts=0" in err
         assert not slot_files(trainer.pid), "the failing trainer must still unlink its slots"
     finally:
         if trainer.poll() is None:

@@ -43,6 +43,11 @@ import torch
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+class TargetLost(RuntimeError):
+    """The engine's worker process died; the message names it. An engine with a
+    `restart()` can be brought back (FeatureStream does, within target.max_restarts)."""
+
+
 @dataclass
 class Sample:
     """One tokenised training sequence (the data pipeline's objects duck-type this)."""

@@ -1,15 +1,18 @@
 """The `hf` backend: a transformers target in a worker process next to each trainer rank.
 
 `HFTarget` is the model (usable in-process, e.g. by tests and `capture`); `HFEngine`
-is the trainer side: it spawns `worker_main` in its own process, sends it
-`(seq, slot, [B, S])` messages over a pipe, and the worker writes the features straight
-into the slot's shared memory (see shm.py). Only a few ints cross the pipe.
+is the trainer side: it spawns `worker_main` in its own process (named
+`hf-target-rank<r>` in ps/top), sends it `(seq, slot, [B, S])` messages over a pipe, and
+the worker writes the features straight into the slot's shared memory (see shm.py). Only
+a few ints cross the pipe. A dead worker raises `TargetLost`, a silent one TimeoutError;
+`restart()` replaces it (the stream re-sends what was in flight, see stream.py).
 
 Legend: B batch, S padded length, H hidden size, m aux layers, D = m*H.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import signal
@@ -25,6 +28,7 @@ from specforge_dspark.engines.features import (
     PaddedBatch,
     TargetDims,
     TargetFeatures,
+    TargetLost,
 )
 from specforge_dspark.engines.shm import SlotReader, make_slots, sweep_stale_slots
 
@@ -100,9 +104,18 @@ class HFTarget:
         )
 
 
+def _set_process_name(name: str) -> None:
+    """Linux: the name ps, top and psutil show (15 bytes at most); the cmdline is kept."""
+    try:
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 def worker_main(conn, spec: dict[str, Any]) -> None:
     """Worker process: load the target, then serve `run` messages until `stop`/EOF."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when we stop
+    _set_process_name(spec.get("name", "hf-target"))
     torch.set_num_threads(spec["threads"])
     parent = os.getppid()
     try:
@@ -157,7 +170,8 @@ def resolve_device(device: str, rank: int) -> str:
 
 
 class HFEngine:
-    """Trainer side of one hf worker: slots, requests, answers, liveness, timeouts."""
+    """Trainer side of one hf worker: slots, requests, answers, liveness, timeouts,
+    restarts."""
 
     def __init__(self, recipe, dims: TargetDims, rank: int, world_size: int, num_slots: int):
         t = recipe.target
@@ -170,20 +184,32 @@ class HFEngine:
             "threads": worker_threads(world_size),
             # benchmark only: after the first forward of a shape, re-send its features
             "replay": os.environ.get("SPECFORGE_STREAM_REPLAY") == "1",
+            "name": f"hf-target-rank{rank}",
         }
-        self.rank, self.timeout_s = rank, t.timeout_s
+        self.rank, self.timeout_s, self._spec = rank, t.timeout_s, spec
         dtype = DTYPES[t.dtype]
         sweep_stale_slots()
         self.slots = make_slots(rank, num_slots, dims.aux_width, dims.hidden_size, dtype, recipe)
+        self.forward_seconds = 0.0
+        self._start()
+
+    def _start(self) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
-            target=worker_main, args=(child, spec), name=f"hf-target-rank{rank}", daemon=True
+            target=worker_main, args=(child, self._spec), name=self._spec["name"], daemon=True
         )
         self.proc.start()
         child.close()
-        self.forward_seconds = 0.0
         self._ready = False
+
+    def restart(self) -> None:
+        """Replace the worker: kill it (a stopped one too), wait until it is gone, so it
+        writes no slot again, then start a fresh one and wait until it is ready. Requests
+        in flight are lost: the caller re-submits them."""
+        self._stop_worker(grace_s=0.0)
+        self._start()
+        self.wait_ready()
 
     @property
     def name(self) -> str:
@@ -201,7 +227,10 @@ class HFEngine:
         slot = self.slots[index]
         B, S = batch.shape
         slot.prepare(B, S).input_ids.copy_(batch.input_ids)
-        self.conn.send(("run", seq, index, str(slot.path), B, S, batch.lengths.tolist()))
+        try:
+            self.conn.send(("run", seq, index, str(slot.path), B, S, batch.lengths.tolist()))
+        except OSError:  # a dead worker (broken pipe): `result` raises TargetLost for it
+            pass
 
     def result(self, seq: int, batch: PaddedBatch, deadline: float) -> TargetFeatures:
         self.wait_ready()
@@ -232,7 +261,7 @@ class HFEngine:
                 self.proc.join(1.0)
             if not self.proc.is_alive():
                 self.proc.join(1.0)
-                raise RuntimeError(
+                raise TargetLost(
                     f"{self.name} died (exit code {self.proc.exitcode}) while the trainer "
                     f"waited for {what}"
                 )
@@ -243,15 +272,18 @@ class HFEngine:
                 )
 
     def close(self) -> None:
-        if self.proc.is_alive():
+        self._stop_worker(grace_s=2.0)
+        for slot in self.slots:
+            slot.close()
+
+    def _stop_worker(self, grace_s: float) -> None:
+        if self.proc.is_alive() and grace_s > 0:
             try:
                 self.conn.send(("stop",))
             except (BrokenPipeError, OSError):
                 pass
-            self.proc.join(2.0)
+            self.proc.join(grace_s)
         if self.proc.is_alive():
             self.proc.kill()  # also ends a stopped (SIGSTOP) worker
-            self.proc.join(5.0)
+            self.proc.join(30.0)
         self.conn.close()
-        for slot in self.slots:
-            slot.close()

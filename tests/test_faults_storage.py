@@ -1,0 +1,117 @@
+"""Storage faults while saving a checkpoint (specforge_dspark/checkpoint.py `save`).
+
+A failed write (disk full, file too large, I/O error) raises CheckpointWriteError naming
+the path and the bytes needed, removes the partial step directory, prunes nothing, and
+leaves the previous checkpoint complete; the 2-rank run stops with a non-zero exit
+instead of training on without checkpoints, and resumes exactly from the previous one.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from specforge_dspark import checkpoint
+from specforge_dspark.checkpoint import CheckpointWriteError, TrainState
+from specforge_dspark.recipe import Recipe
+from tests import faults_tiny as ft
+
+
+class BlobEngine:
+    """The part of a DeepSpeed engine `checkpoint.save` uses: writes `nbytes` of weights,
+    or raises `error`."""
+
+    def __init__(self, nbytes: int, error: Exception | None = None):
+        self.module = torch.nn.Linear(4, 4)
+        self.nbytes, self.error = nbytes, error
+
+    def save_checkpoint(self, root: str, tag: str, save_latest: bool) -> None:
+        if self.error is not None:
+            raise self.error
+        Path(root, tag).mkdir(exist_ok=True)
+        with open(Path(root) / tag / "mp_rank_00_model_states.pt", "wb") as f:
+            f.write(b"\0" * self.nbytes)
+
+
+def _save(engine, root: Path, step: int) -> Path:
+    return checkpoint.save(engine, root, TrainState(step=step), Recipe(), 1, {})
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 192 KiB tmpfs (skipped where mounting is not allowed)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k", "tmpfs", str(disk)])
+    if p.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_disk_full_keeps_the_previous_checkpoint(small_disk):
+    root = small_disk / "ckpt"
+    first = _save(BlobEngine(100_000), root, 1)
+    assert checkpoint.is_complete(first)
+    with pytest.raises(CheckpointWriteError) as e:
+        _save(BlobEngine(100_000), root, 2)
+    msg = str(e.value)
+    assert f"checkpoint {root / 'step-2'}: writing failed on rank 0: " in msg
+    assert "No space left on device [errno 28]" in msg and "(not enough free space)" in msg
+    need = sum(f.stat().st_size for f in first.iterdir())
+    assert f"needs about {need:,} bytes (the size of step-1)" in msg
+    assert f"{first} is complete, --resume auto continues from it" in msg
+    assert checkpoint.latest_complete(root) == first  # not pruned, still whole
+    assert not (root / "step-2").exists()  # the partial save is gone, its space freed
+    assert json.loads((first / "train_state.json").read_text())["step"] == 1
+
+
+@pytest.mark.parametrize(
+    "error, needle",
+    [
+        (OSError(errno.EIO, "Input/output error", "/x/zero_pp_rank_0.pt"), "errno 5] (/x/zero"),
+        (RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed"),
+         "RuntimeError: PytorchStreamWriter failed writing file data/0"),
+    ],
+)  # fmt: skip
+def test_write_errors_name_the_path_and_the_estimate(tmp_path, error, needle):
+    root = tmp_path / "ckpt"
+    with pytest.raises(CheckpointWriteError) as e:
+        _save(BlobEngine(10, error), root, 5)
+    msg = str(e.value)
+    assert f"checkpoint {root / 'step-5'}" in msg and needle in msg
+    need = 16 * 20 * 1  # 20 fp32 parameters: weights + master weights + two Adam moments
+    assert f"needs about {need:,} bytes (weights + fp32 master" in msg
+    assert "no earlier checkpoint" in msg
+    assert checkpoint.list_checkpoints(root) == []
+
+
+@pytest.mark.slow
+def test_failed_save_stops_the_run_and_resume_is_exact(tmp_path, tmp_path_factory, tiny_target_dir):
+    ref = ft.reference(tmp_path_factory.getbasetemp())
+    out = tmp_path / "run"
+    # rank 1 alone fails (its 2.4 MB optimizer shard): rank 0 must not be left waiting
+    p = ft.train(out, "--resume", "none", env={"SPECFORGE_CKPT_FSIZE": "3:1000000@1"})
+    assert p.returncode != 0
+    step3 = out / "ckpt" / "step-3"
+    assert f"[rank 1] error: checkpoint {step3}: writing failed on rank 1: " in p.stderr
+    assert "(this process may write no file over 1,000,000 bytes: ulimit -f)" in p.stderr
+    assert "[rank 0] error: checkpoint" in p.stderr and "another rank" in p.stderr
+    assert "bytes (the size of step-2)" in p.stderr
+    assert "step 4" not in p.stdout  # it stopped; no step trained without its checkpoint
+    assert max(ft.losses(out)) == 3
+    assert checkpoint.latest_complete(out / "ckpt") == out / "ckpt" / "step-2"
+    assert not step3.exists()
+    resumed = ft.train(out, "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = ft.losses(out), ft.losses(ref)
+    assert [a[s] for s in range(1, ft.STEPS + 1)] == [b[s] for s in range(1, ft.STEPS + 1)]
+    last = f"step-{ft.STEPS}"
+    assert ft.same_update_state(ft.state(out / "ckpt" / last), ft.state(ref / "ckpt" / last))
