@@ -189,9 +189,13 @@ def serve_check(
                     )
                     served = generate(url, ids, max_new_tokens, hf.eos_ids)
                     where = f"workload {workload.name} prompt {conv.index} turn {turn + 1}"
-                    rows.append(
-                        compare(where, gen, served) | {"sglang": served["completion_tokens"]}
+                    row = compare(where, gen, served)
+                    row["sglang"] = served["completion_tokens"]
+                    row["drafted"] = sum(len(s.drafts) for s in gen.steps)
+                    row["padded_drafts"] = sum(
+                        t >= head.logical_vocab for s in gen.steps for t in s.drafts
                     )
+                    rows.append(row)
                     body = gen.tokens[:-1] if gen.tokens[-1] in hf.eos_ids else gen.tokens
                     answer = hf.tokenizer.decode(body, skip_special_tokens=True)
                     messages.append({"role": "assistant", "content": answer})

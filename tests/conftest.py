@@ -17,6 +17,18 @@ os.environ.setdefault("HF_HOME", str(REPO / ".cache" / "hf"))
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny ops: on two shared cores a second OpenMP
+    thread only adds stalls. Modules opt in with `pytestmark = usefixtures("one_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO

@@ -25,6 +25,8 @@ from specforge_dspark.engines.features import AuxTap
 from specforge_dspark.frozen_head import load_frozen_head
 from specforge_dspark.model import DSparkConfig, DSparkDraft
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 LAYERS = [0, 2]
 G = 4
 QUESTIONS = [
@@ -61,15 +63,6 @@ class ScriptedDrafter:
 
 def _no_head(*_a):
     raise AssertionError("scripted drafters use neither embedding nor LM head")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two cores shared by several test runs: more threads only oversubscribe them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -18,18 +18,11 @@ from evaluation.hf_target import HFTarget as EvalTarget
 from specforge_dspark.engines.features import AuxTap, Sample, pad_batch, tap_convention
 from specforge_dspark.engines.hf import HFTarget
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 LAYERS = [0, 1, 2]
 H = 128
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two cores shared by several test runs: more threads only oversubscribe them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -29,19 +29,12 @@ from specforge_dspark.objective import (
 )
 from specforge_dspark.recipe import ObjectiveRecipe
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 V, L, H, G, S, N = 53, 48, 32, 4, 24, 6
 MASK = 50  # a padded row: fine for the embedding, never for the logits
 MUP = 2.0
 OBJ = ObjectiveRecipe(num_anchors=N, ce_weight=0.3, l1_weight=0.9, bce_weight=0.7, gamma=3.0)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops: a second OpenMP thread only adds stalls when the cores are shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_models(seed: int = 0, **cfg) -> tuple[DSparkDraft, FrozenHead]:

@@ -23,18 +23,12 @@ from specforge_dspark.model import DSparkConfig, DSparkDraft, build_visibility_m
 from specforge_dspark.objective import build_blocks, compute_loss_at, sample_anchors
 from specforge_dspark.recipe import ObjectiveRecipe
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 B, S, N, G = 2, 24, 8, 4
 STEPS, LR = 50, 0.05
 TOKENS = 128  # ids drawn from the first TOKENS logical tokens: every Markov row trains
 OBJ = ObjectiveRecipe(num_anchors=N)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
