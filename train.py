@@ -32,6 +32,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--recipe", required=True, help="recipe YAML (see recipes/)")
     ap.add_argument("--dry-run", action="store_true", help="validate, build on meta, summarise")
     ap.add_argument(
+        "--world-size", type=int, default=1, help="--dry-run: data-parallel ranks to size for"
+    )
+    ap.add_argument(
         "--resume", default="auto", help="auto (latest complete checkpoint), none, or a step dir"
     )
     ap.add_argument(
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
-        return dry_run(recipe)
+        return dry_run(recipe, args.world_size)
     from specforge_dspark.checkpoint import CheckpointWriteError, ResumeError
     from specforge_dspark.engines.features import TargetLost
     from specforge_dspark.lifecycle import RunLockError
@@ -78,36 +81,39 @@ EXIT_STOPPED = 143
 # --------------------------------------------------------------------------- dry run
 
 
-def dry_run(recipe: Recipe) -> int:
+def dry_run(recipe: Recipe, world: int = 1) -> int:
     """Build the draft on the meta device and print what a real run would hold."""
-    from specforge_dspark.model import DSparkConfig, DSparkDraft
+    from specforge_dspark.drafts import new_draft
+    from specforge_dspark.memory import report
 
-    cfg = DSparkConfig.from_recipe(recipe.draft)
     with torch.device("meta"):
-        draft = DSparkDraft(cfg)
+        draft = new_draft(recipe.draft)
     groups: dict[str, int] = {}
     for name, p in draft.named_parameters():
         key = name.split(".")[0] if not name.startswith("layers.") else "layers"
         groups[key] = groups.get(key, 0) + p.numel()
     n = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     d = recipe.draft
-    head_bytes = 2 * d.vocab_size * d.hidden_size * (2 if recipe.target.dtype == "bfloat16" else 4)
+    heads = (
+        f"markov {d.markov_head_type} r={d.markov_rank}"
+        if d.kind == "dspark"
+        else f"layers {sorted(set(draft.config.layer_types))}, window {d.sliding_window}"
+    )
     print(f"recipe: {recipe.source}")
     print(
-        f"draft: {d.num_hidden_layers} layers, hidden {d.hidden_size}, heads "
+        f"draft ({d.kind}): {d.num_hidden_layers} layers, hidden {d.hidden_size}, heads "
         f"{d.num_attention_heads}/{d.num_key_value_heads}, block {d.block_size}, aux layers "
-        f"{d.target_layer_ids} of {d.num_target_layers}, markov {d.markov_head_type} "
-        f"r={d.markov_rank}"
+        f"{d.target_layer_ids} of {d.num_target_layers}, {heads}"
     )
     for k, v in groups.items():
         print(f"  {k:<16} {v:>14,d}")
-    print(f"frozen target embedding + LM head: {head_bytes / 1e9:.2f} GB per rank (not trained)")
     o = recipe.objective
     print(
         f"objective: {o.ce_weight} CE + {o.l1_weight} L1 + {o.bce_weight} BCE, "
         f"{o.num_anchors} anchors, gamma {o.gamma}, chunk {o.chunk_size}"
     )
     print(f"target backend: {recipe.target.backend} ({recipe.target.path})")
+    print("\n".join(report(recipe, n, world)))
     print(f"trainable_params: {n}")
     return 0
 
@@ -203,9 +209,10 @@ def build(recipe: Recipe, resume: str | None) -> Run:
 
     from data_pipelines.prepare import prepare_dataset
     from specforge_dspark import checkpoint
+    from specforge_dspark.drafts import new_draft
     from specforge_dspark.frozen_head import load_frozen_head
     from specforge_dspark.lifecycle import acquire_run_lock
-    from specforge_dspark.model import DSparkConfig, DSparkDraft
+    from specforge_dspark.model import DSparkDraft
 
     rank, world, device = init_distributed(recipe)
     dirs = resolved_dirs(recipe)
@@ -245,13 +252,19 @@ def build(recipe: Recipe, resume: str | None) -> Run:
 
     head_dtype = torch.bfloat16 if recipe.target.dtype == "bfloat16" else torch.float32
     head = load_frozen_head(recipe.target.path, device=device, dtype=head_dtype)
-    if recipe.draft.init_from:  # same slot, tap, layer ids, mask and vocab as this run
+    if recipe.draft.init_from and recipe.draft.kind == "dflash":
+        from specforge_dspark.dflash import DFlashConfig, DFlashDraft
+
+        draft = DFlashDraft.from_pretrained(recipe.draft.init_from)
+        if draft.config != DFlashConfig.from_recipe(recipe.draft):
+            raise ValueError(f"draft.init_from {recipe.draft.init_from}: config differs")
+    elif recipe.draft.init_from:  # same slot, tap, layer ids, mask and vocab as this run
         from specforge_dspark.export import check_conventions
 
         check_conventions(recipe.draft.init_from, recipe)
         draft = DSparkDraft.from_pretrained(recipe.draft.init_from)
     else:
-        draft = DSparkDraft(DSparkConfig.from_recipe(recipe.draft))
+        draft = new_draft(recipe.draft)
     _check_head_matches(recipe, head)
     o = recipe.optim
     opt = torch.optim.AdamW(
@@ -381,11 +394,12 @@ def anchor_generator(run: Run, micro_step: int) -> torch.Generator:
 
 
 def objective(run: Run, feats, generator: torch.Generator):
-    """The DSpark loss and metrics of one batch of features (see objective.py)."""
-    from specforge_dspark.objective import compute_loss
+    """The loss and metrics of one batch of features (objective.py; dflash_objective.py
+    for draft.kind dflash)."""
+    from specforge_dspark.drafts import loss_fn
 
     f = feats.to(run.device)
-    return compute_loss(
+    return loss_fn(run.recipe.draft.kind)(
         run.engine.module,
         run.head,
         f.input_ids,
@@ -424,6 +438,7 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
     from specforge_dspark.export import export_checkpoint
     from specforge_dspark.lifecycle import StopRequest, watch_launcher
     from specforge_dspark.nonfinite import NonFiniteError, NonFiniteGuard
+    from specforge_dspark.served_eval import build_served_eval, served_accept_length
     from specforge_dspark.stream import FeatureStream
     from specforge_dspark.tracking import Tracker
 
@@ -442,6 +457,8 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
     stopped: str | None = None
     stream = FeatureStream(r, rank=run.rank, world_size=run.world)
     guard = NonFiniteGuard(r, run.rank, run.device, state.step)
+    served = build_served_eval(r, run.rank, run.world, run.device)  # None unless asked
+    served_al: dict[int, float] = {}  # step -> served accept length, for the gap
     with stream:
         for feats in stream.iterate(batches(run, state.micro_step)):
             if state.step >= run.total_steps:
@@ -449,9 +466,11 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
             if feats.sample_ids[0] >= EVAL_ID:
                 evals.append(eval_step(run, feats, len(evals)))
                 if len(evals) == len(_eval_rows(run)):
-                    tracker.log(
-                        state.step, {f"eval/{k}": v for k, v in _reduce_metrics(evals).items()}
-                    )
+                    tf = _reduce_metrics(evals)
+                    logged = {f"eval/{k}": v for k, v in tf.items()}
+                    if state.step in served_al and "tau" in tf:  # teacher-forced minus served
+                        logged["eval/tau_minus_accept_length"] = tf["tau"] - served_al[state.step]
+                    tracker.log(state.step, logged)
                     evals = []
                 continue
             out = train_step(run, feats, state.micro_step, guard)
@@ -491,6 +510,15 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
                 t_last, wait_last, tokens_last = now, stream.wait_seconds, state.tokens
                 window = []
             last = state.step == run.total_steps or state.step == stop_at_step
+            interval = r.train.eval_interval
+            if served is not None and (last or interval and state.step % interval == 0):
+                res = served_accept_length(served, eng.module, run.head, run.device)
+                served_al[state.step] = res["accept_length"]
+                tracker.log(state.step, {f"eval/{k}": v for k, v in res.items()})
+                tracker.write(
+                    f"step {state.step}: served accept length {res['accept_length']:.3f} "
+                    f"({res['served_prompts']} prompts, {res['served_seconds']:.1f} s)"
+                )
             stopping = not last and stop.agreed(run.device)  # collective, every step
             halt = report.stop  # too many non-finite steps in a row: save, then fail
             if state.step % r.checkpoint.save_interval == 0 or last or stopping or halt:
@@ -528,6 +556,17 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
                 verifier_name=r.export.verifier_name or None,
             )
             print(f"exported {fmt} drafter to {out_dir}", flush=True)
+        if r.export.calibrate_prompts:
+            from evaluation.calibrate import calibrate_export
+
+            calibrate_export(
+                r.target.path,
+                run.dirs["export"] / "sglang",
+                workloads=r.export.calibrate_workloads,
+                num_prompts=r.export.calibrate_prompts,
+                out_dir=run.dirs["export"].parent / "calibration",
+                device=str(run.device),
+            )
     return stopped
 
 

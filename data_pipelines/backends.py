@@ -145,6 +145,7 @@ class HFBackend:
         self.eos_ids.add(self.tok.eos_token_id)
         self.think_end = self._token_id("</think>")
         self.think_start = self._token_id("<think>")
+        self.generated_tokens = 0  # up to and with each answer's end of turn
 
     def _token_id(self, text: str) -> int | None:
         ids = self.tok.convert_tokens_to_ids([text])
@@ -171,7 +172,13 @@ class HFBackend:
                 **kwargs,
             )
         new = out[:, enc["input_ids"].shape[1] :].tolist()
-        return [self._parse(ids) for ids in new]
+        answers = [self._parse(ids) for ids in new]
+        self.generated_tokens += sum(self._length(ids) for ids in new)
+        return answers
+
+    def _length(self, ids: list[int]) -> int:
+        stop = next((k for k, t in enumerate(ids) if t in self.eos_ids), None)
+        return len(ids) if stop is None else stop + 1
 
     def _parse(self, ids: list[int]) -> Answer:
         """Cut at the first end-of-turn id; split reasoning at </think> if present."""

@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import json
 import sys
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -329,7 +330,16 @@ def main(argv: list[str] | None = None) -> int:
             from data_pipelines.backends import HFBackend
 
             backend = HFBackend(recipe.target.path, rc, recipe.target.device)
-            run_hf(todo, backend, rc.batch_size, journal, bar)
+            t0 = time.perf_counter()
+            try:
+                run_hf(todo, backend, rc.batch_size, journal, bar)
+            finally:
+                took = time.perf_counter() - t0
+                speed = f"{backend.generated_tokens / took:.0f}" if took > 0 else "n/a"
+                print(
+                    f"regenerate: generated {backend.generated_tokens} tokens in {took:.1f} s "
+                    f"({speed} tokens/s, batch size {rc.batch_size})"
+                )
     except ServerDown as e:
         print(f"regenerate: stopped, {e}; fix the server and rerun to resume", file=sys.stderr)
         status = 1

@@ -14,6 +14,11 @@
   conditional acceptance that the confidence head is trained on and that serving
   multiplies into a survival probability. ECE uses equal-width bins; AUROC is the
   Mann-Whitney statistic with ties counted half (None when one class is absent).
+- verified_tokens: tokens the target verified (bonus + drafts sent, G + 1 per step
+  without a verify budget); tokens_per_verified_token = committed / verified.
+- survival calibration (`survival_calibration`): per position k over all steps, the
+  predicted survival prod_{i<=k} c_i against "draft k accepted" (accepted > k), the
+  quantity SGLang's verify budget ranks; ECE, Brier score and AUROC per position.
 """
 
 from __future__ import annotations
@@ -90,6 +95,33 @@ def auroc(conf: list[float], label: list[int]) -> float | None:
     return (rank_pos - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg))
 
 
+def brier(conf: list[float], label: list[int]) -> float | None:
+    if not conf:
+        return None
+    return sum((c - y) ** 2 for c, y in zip(conf, label, strict=True)) / len(conf)
+
+
+def calibration_summary(conf: list[float], label: list[int]) -> dict:
+    return {
+        "pairs": len(conf),
+        "ece": ece(conf, label),
+        "brier": brier(conf, label),
+        "auroc": auroc(conf, label),
+        "mean_confidence": sum(conf) / len(conf) if conf else None,
+        "acceptance": sum(label) / len(label) if label else None,
+        "bins": reliability(conf, label),
+    }
+
+
+def survival_calibration(surv_NG: list[list[float]], accepted_N: list[int]) -> list[dict]:
+    """Per position k: calibration of survival s_k against accepted > k (all steps)."""
+    G = len(surv_NG[0]) if surv_NG else 0
+    return [
+        calibration_summary([s[k] for s in surv_NG], [int(a > k) for a in accepted_N])
+        for k in range(G)
+    ]
+
+
 def step_stats(steps: list[Step], G: int, logical_vocab: int | None = None) -> dict:
     """Acceptance statistics of a pool of verify steps (one workload, or all of them)."""
     n = len(steps)
@@ -102,6 +134,7 @@ def step_stats(steps: list[Step], G: int, logical_vocab: int | None = None) -> d
     for s in steps:
         hist[s.committed] += 1
     conf, label = calibration_pairs(steps, G)
+    verified = sum((G if s.verified is None else s.verified) + 1 for s in steps)
     return {
         "steps": n,
         "committed_tokens": committed,
@@ -112,12 +145,36 @@ def step_stats(steps: list[Step], G: int, logical_vocab: int | None = None) -> d
         "drafted_tokens": drafted,
         "padded_drafts": padded,
         "padded_draft_rate": padded / drafted if padded is not None and drafted else None,
-        "calibration": {
-            "pairs": len(conf),
-            "ece": ece(conf, label),
-            "auroc": auroc(conf, label),
-            "mean_confidence": sum(conf) / len(conf) if conf else None,
-            "acceptance": sum(label) / len(label) if label else None,
-            "bins": reliability(conf, label),
-        },
+        "verified_tokens": verified,
+        "tokens_per_verified_token": committed / verified if verified else None,
+        "calibration": calibration_summary(conf, label),
     }
+
+
+def bootstrap_ci(
+    numer: list[float],
+    denom: list[float] | None = None,
+    n_boot: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> list[float] | None:
+    """Percentile bootstrap interval over units (prompts) of sum(numer) / sum(denom).
+
+    With `denom` None it is the mean of `numer`. For accept length pass each prompt's
+    committed tokens and verify steps, so every resample is the pooled ratio the point
+    estimate is. Returns [low, high], or None with no units.
+    """
+    import torch
+
+    if not numer:
+        return None
+    num = torch.tensor(numer, dtype=torch.float64)
+    den = torch.ones_like(num) if denom is None else torch.tensor(denom, dtype=torch.float64)
+    if num.shape != den.shape:
+        raise ValueError(f"bootstrap_ci: {len(num)} numerators but {len(den)} denominators")
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(num), (n_boot, len(num)), generator=gen)
+    ratios = num[idx].sum(1) / den[idx].sum(1).clamp_min(1e-12)
+    alpha = (1 - level) / 2
+    low, high = torch.quantile(ratios, torch.tensor([alpha, 1 - alpha], dtype=torch.float64))
+    return [round(float(low), 4), round(float(high), 4)]

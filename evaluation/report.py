@@ -41,13 +41,18 @@ def write_markdown(summary: dict, path: Path) -> None:
         f"- draft: `{summary['draft']}` (block size G = {G}, "
         f"target layers {summary['target_layer_ids']})",
         f"- {summary['num_prompts']} prompts per workload, max {summary['max_new_tokens']} "
-        f"new tokens, greedy, {summary['device']} {summary['dtype']}, "
+        f"new tokens, {_decoding(summary)}, {summary['device']} {summary['dtype']}, "
         f"cache rollback `{summary['cache_mode']}`",
         "- accept length = committed tokens / verify steps (the prefill's first token is "
         "not a step; a final step cut by end-of-turn or max-new-tokens counts what it "
         "committed). `overall` pools all verify steps (draft-weighted); "
         f"macro mean over workloads: {_num(summary['macro_accept_length'])}.",
-        "- every output was checked equal to plain target greedy decoding (lossless).",
+        (
+            "- every output was checked equal to plain target greedy decoding (lossless)."
+            if not summary.get("temperature")
+            else "- speculative sampling with SGLang DSPARK's chain rejection rule: lossless "
+            "in distribution (tests/test_sampling_lossless.py), not comparable per output."
+        ),
         "- padded drafts = drafted tokens with id >= the logical vocabulary "
         f"({summary.get('logical_vocab')}) / all drafted tokens: the draft's argmax runs over "
         "every LM-head row, as SGLang serves it, and such a draft is always rejected.",
@@ -86,8 +91,37 @@ def write_markdown(summary: dict, path: Path) -> None:
     for name, s in _rows(summary):
         hist = s["accept_length_hist"]
         lines.append(f"| {name} | " + " | ".join(str(hist[str(c)]) for c in range(1, G + 2)) + " |")
+    lines += _budget_lines(summary)
     lines += ["", "Plots: " + ", ".join(f"![{p}]({p})" for p in PLOTS), ""]
     path.write_text("\n".join(lines))
+
+
+def _decoding(summary: dict) -> str:
+    t = summary.get("temperature") or 0.0
+    return "greedy" if t == 0 else f"sampling at temperature {t} (seed {summary.get('seed')})"
+
+
+def _budget_lines(summary: dict) -> list[str]:
+    if summary.get("verify_token_cost") is None:
+        return []
+    lines = [
+        "",
+        "Confidence-budgeted verification (SGLang's ragged verify budget, evaluation/budget.py; "
+        f"step time 1 + {summary['verify_token_cost']} x verified tokens; STS temperatures "
+        f"{summary.get('sts_temperatures')}):",
+        "",
+        "| workload | mode | steps | accept length | drafts verified / step "
+        "| tokens / verified token |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, s in _rows(summary):
+        for mode, row in s.get("verify_budget", {}).items():
+            lines.append(
+                f"| {name} | {mode} | {row['steps']} | {_num(row['accept_length'])} "
+                f"| {_num(row['drafts_verified_per_step'], 2)} "
+                f"| {_num(row['tokens_per_verified_token'])} |"
+            )
+    return lines
 
 
 def write_plots(summary: dict, out: Path) -> None:

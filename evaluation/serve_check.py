@@ -39,10 +39,18 @@ from specforge_dspark.export import check_conventions
 START_TIMEOUT_S = 600.0
 
 
-def server_args(target: str, draft: str, port: int, dtype: str, device: str) -> list[str]:
-    """`sglang.launch_server` arguments that serve `draft` for `target` greedily."""
+STS_LOADED = "DSpark STS calibration loaded from"  # SGLang's log line (dspark_planner.py)
+
+
+def server_args(
+    target: str, draft: str, port: int, dtype: str, device: str, sts: Path | None = None
+) -> list[str]:
+    """`sglang.launch_server` arguments that serve `draft` for `target` greedily (with the
+    confidence calibration `sts` when given)."""
     args = ["--model-path", str(target), "--port", str(port), "--host", "127.0.0.1"]
     args += ["--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", str(draft)]
+    if sts is not None:
+        args += ["--speculative-dspark-confidence-sts-path", str(sts)]
     args += ["--dtype", dtype, "--disable-overlap-schedule", "--disable-radix-cache"]
     if device == "cpu":
         for key, value in CPU_ENGINE_ARGS.items():
@@ -155,7 +163,10 @@ def serve_check(
     dtype: str = "float32",
     log=print,
 ) -> dict:
-    """Serve `draft` with SGLang, decode with the harness, compare; returns the report."""
+    """Serve `draft` with SGLang, decode with the harness, compare; returns the report.
+    A DRAFT/sts_calibration.json (evaluation/calibrate.py) is served with it; the report's
+    `sts_loaded` says whether SGLang logged loading it."""
+    from evaluation.calibrate import STS_FILE
     from specforge_dspark.frozen_head import load_frozen_head
 
     out = Path(out_dir)
@@ -168,8 +179,10 @@ def serve_check(
     embed_fn, logits_fn = head_fns(head)
 
     url = f"http://127.0.0.1:{port}"
+    sts = Path(draft) / STS_FILE
+    sts = sts if sts.is_file() else None
     server = ServerProcess(
-        server_args(str(target), str(draft), port, dtype, device),
+        server_args(str(target), str(draft), port, dtype, device, sts),
         out / "sglang_server.log",
         cpu_engine=device == "cpu",
     )
@@ -215,6 +228,8 @@ def serve_check(
         "harness_accept_length": sum(r["new_tokens"] - 1 for r in rows) / steps if steps else None,
         "padded_draft_rate": sum(r["padded_drafts"] for r in rows) / drafted if drafted else None,
         "server_start_seconds": start_s,
+        "sts_path": None if sts is None else str(sts),
+        "sts_loaded": STS_LOADED in server.log_path.read_text(errors="replace"),
         "target": str(target),
         "draft": str(draft),
         "dtype": dtype,

@@ -6,11 +6,16 @@ it. `all` runs every benchmark with its defaults and says which ones are not ava
 
 objective: one forward+backward of the draft and the objective on CPU at the real Inkling
 vocabulary (201024 LM-head rows, 200058 logical), hidden 256, 2 layers, 3 aux layers,
-S=4096, G=7, random weights and features, for each anchor count and chunk size in a fresh
-subprocess (peak RSS is per process). One line per configuration:
-  objective dtype=<fp32|bf16> anchors=<N> chunk=<C> tokens_per_s=<x> peak_rss_mb=<y>
-tokens = anchors x G; chunk=0 is unchunked. An unchunked run whose estimated peak exceeds
---max-unchunked-gb (or 80% of the memory available now) is skipped with a message.
+S=4096, random weights and features, for each block size G (DSpark, G = 7 and 16 by
+default: the production DSpark and Inkling-Small blocks; `--kind dflash` for DFlash), anchor
+count and chunk size in a fresh subprocess (peak RSS is per process). One line per
+configuration:
+  objective kind=<k> G=<g> dtype=<fp32|bf16> anchors=<N> chunk=<C> tokens_per_s=<x> peak_rss_mb=<y>
+tokens = anchors x drafted slots (G for DSpark, G-1 for DFlash); chunk=0 is unchunked. An
+unchunked run whose estimated peak exceeds --max-unchunked-gb (or 80% of the memory
+available now) is skipped with a message. Then, per G and chunked size, one line
+  objective kind=<k> G=<g> chunk=<C> rss_ratio anchors <max>/<min> = <r>
+(peak RSS at the most anchors over the fewest: ~1 when chunking keeps memory flat).
 """
 
 from __future__ import annotations
@@ -63,41 +68,58 @@ def _run(name: str, argv: list[str]) -> int:
 def objective_main(argv: list[str] | None = None) -> int:
     """Runs each configuration in a fresh subprocess and prints its line."""
     ap = argparse.ArgumentParser(prog="bench objective", description=__doc__)
-    ap.add_argument("--anchors", type=int, nargs="+", default=[128, 256, 512, 1024])
-    ap.add_argument("--chunks", type=int, nargs="+", default=[64, 128, 0])
+    ap.add_argument("--anchors", type=int, nargs="+", default=[32, 256])
+    ap.add_argument("--chunks", type=int, nargs="+", default=[32])
+    ap.add_argument("--block-sizes", type=int, nargs="+", default=[7, 16])
+    ap.add_argument("--kind", choices=("dspark", "dflash"), default="dspark")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--max-unchunked-gb", type=float, default=16.0)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
-        print(_objective_once(a.anchors[0], a.chunks[0], a.dtype), flush=True)
+        line = _objective_once(a.kind, a.block_sizes[0], a.anchors[0], a.chunks[0], a.dtype)
+        print(line, flush=True)
         return 0
     failed = 0
-    for n in a.anchors:
-        for chunk in a.chunks:
-            if chunk == 0:
-                est_gb = (BASE_MB + VOCAB_COPIES * n * 7 * LOGICAL_VOCAB * 4 / 2**20) / 1024
-                limit_gb = min(a.max_unchunked_gb, 0.8 * _available_gb())
-                if est_gb > limit_gb:
+    for G in a.block_sizes:
+        tag = f"objective kind={a.kind} G={G} dtype={a.dtype}"
+        peaks: dict[int, dict[int, float]] = {}
+        for n in a.anchors:
+            for chunk in a.chunks:
+                if chunk == 0:
+                    est_gb = (BASE_MB + VOCAB_COPIES * n * G * LOGICAL_VOCAB * 4 / 2**20) / 1024
+                    limit_gb = min(a.max_unchunked_gb, 0.8 * _available_gb())
+                    if est_gb > limit_gb:
+                        print(
+                            f"{tag} anchors={n} chunk=0 skipped: estimated peak "
+                            f"{est_gb:.1f} GB > {limit_gb:.1f} GB",
+                            flush=True,
+                        )
+                        continue
+                cmd = [sys.executable, "-m", "specforge_dspark.bench", "objective", "--child"]
+                cmd += ["--anchors", str(n), "--chunks", str(chunk), "--dtype", a.dtype]
+                cmd += ["--block-sizes", str(G), "--kind", a.kind]
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                lines = proc.stdout.strip().splitlines()
+                if proc.returncode or not lines:
+                    failed = 1
                     print(
-                        f"objective dtype={a.dtype} anchors={n} chunk=0 skipped: estimated "
-                        f"peak {est_gb:.1f} GB > {limit_gb:.1f} GB",
+                        f"{tag} anchors={n} chunk={chunk} failed (exit {proc.returncode}): "
+                        f"{proc.stderr.strip()[-500:]}",
                         flush=True,
                     )
                     continue
-            cmd = [sys.executable, "-m", "specforge_dspark.bench", "objective", "--child"]
-            cmd += ["--anchors", str(n), "--chunks", str(chunk), "--dtype", a.dtype]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            lines = proc.stdout.strip().splitlines()
-            if proc.returncode or not lines:
-                failed = 1
+                print(lines[-1], flush=True)
+                peak = float(lines[-1].rsplit("peak_rss_mb=", 1)[1])
+                peaks.setdefault(chunk, {})[n] = peak
+        for chunk, by_n in peaks.items():
+            if chunk > 0 and len(by_n) > 1:
+                lo, hi = min(by_n), max(by_n)
                 print(
-                    f"objective dtype={a.dtype} anchors={n} chunk={chunk} failed "
-                    f"(exit {proc.returncode}): {proc.stderr.strip()[-500:]}",
+                    f"objective kind={a.kind} G={G} chunk={chunk} rss_ratio anchors {hi}/{lo} "
+                    f"= {by_n[hi] / by_n[lo]:.3f}",
                     flush=True,
                 )
-                continue
-            print(lines[-1], flush=True)
     return failed
 
 
@@ -107,26 +129,29 @@ def _available_gb() -> float:
     return int(info["MemAvailable"].split()[0]) / 2**20
 
 
-def _objective_once(num_anchors: int, chunk: int, dtype_name: str) -> str:
+def _objective_once(
+    kind: str, block_size: int, num_anchors: int, chunk: int, dtype_name: str
+) -> str:
     """Build random weights and features, warm up, time one forward+backward."""
     import torch
 
+    from specforge_dspark.drafts import loss_fn, new_draft
     from specforge_dspark.frozen_head import FrozenHead
-    from specforge_dspark.model import DSparkConfig, DSparkDraft
-    from specforge_dspark.objective import compute_loss
     from specforge_dspark.recipe import DraftRecipe, ObjectiveRecipe
 
     dtype = getattr(torch, DTYPES[dtype_name])
     torch.manual_seed(0)
     recipe = DraftRecipe(
+        kind=kind,
         vocab_size=VOCAB_ROWS,
         mask_token_id=MASK_TOKEN,
         target_layer_ids=[1, 3, 5],
         num_target_layers=8,
+        block_size=block_size,
     )
-    config = DSparkConfig.from_recipe(recipe)
-    draft = DSparkDraft(config).to(dtype)
-    H = config.hidden_size
+    draft = new_draft(recipe).to(dtype)
+    compute_loss = loss_fn(kind)
+    H = recipe.hidden_size
     head = FrozenHead(
         torch.randn(VOCAB_ROWS, H, dtype=dtype),
         torch.randn(VOCAB_ROWS, H, dtype=dtype) / H**0.5,
@@ -152,10 +177,10 @@ def _objective_once(num_anchors: int, chunk: int, dtype_name: str) -> str:
     step(num_anchors, chunk)
     seconds = time.perf_counter() - start
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    tokens = num_anchors * config.block_size
+    tokens = num_anchors * (block_size - 1 if kind == "dflash" else block_size)
     return (
-        f"objective dtype={dtype_name} anchors={num_anchors} chunk={chunk} "
-        f"tokens_per_s={tokens / seconds:.1f} peak_rss_mb={peak_mb:.0f}"
+        f"objective kind={kind} G={block_size} dtype={dtype_name} anchors={num_anchors} "
+        f"chunk={chunk} tokens_per_s={tokens / seconds:.1f} peak_rss_mb={peak_mb:.0f}"
     )
 
 

@@ -209,7 +209,12 @@ def export_checkpoint(
     For a training checkpoint the target, verifier name and speculators vocabulary default
     to the recipe's `target.path`, `export.verifier_name` and `export.speculators_vocab`
     (else "full"). The conventions the checkpoint records must agree with the target.
+    A DFlash checkpoint (recipe `draft.kind: dflash`) goes to `export_dflash`.
     """
+    from specforge_dspark import export_dflash
+
+    if export_dflash.checkpoint_kind(ckpt_dir) == "dflash":
+        return export_dflash.export_dflash_checkpoint(ckpt_dir, fmt, out_dir, target_path)
     cfg, weights, recipe = read_checkpoint(ckpt_dir)
     if recipe is not None:
         target_path = target_path or recipe.target.path or None
@@ -540,7 +545,33 @@ def speculators_layout(
         tensors["d2t"] = torch.zeros(logical, dtype=torch.long)
 
     architectures = json.loads((target / "config.json").read_text()).get("architectures") or []
-    config = {
+    config = speculators_config(
+        cfg,
+        draft_vocab_size=logical if reduced else rows,
+        target_hidden_size=head.hidden_size,
+        verifier=verifier_name or str(target.resolve()),
+        verifier_architectures=list(architectures),
+        dtype=dtype,
+        reduced=reduced,
+        folded=folded,
+    )
+    return tensors, config
+
+
+def speculators_config(
+    cfg: DSparkConfig,
+    *,
+    draft_vocab_size: int,
+    target_hidden_size: int,
+    verifier: str,
+    verifier_architectures: list[str],
+    dtype: torch.dtype = torch.bfloat16,
+    reduced: bool = False,
+    folded: str | None = None,
+) -> dict[str, Any]:
+    """The speculators config.json of a draft (what `speculators_layout` writes), from
+    shapes alone: no weights are read."""
+    return {
         "architectures": ["DSparkSpeculator"],
         "speculators_model_type": "dspark",
         "speculators_version": SPECULATORS_VERSION,
@@ -556,14 +587,14 @@ def speculators_layout(
             ],
             "default_proposal_method": "greedy",
             "verifier": {
-                "name_or_path": verifier_name or str(target.resolve()),
-                "architectures": list(architectures),
+                "name_or_path": verifier,
+                "architectures": list(verifier_architectures),
             },
         },
         "transformer_layer_config": _qwen3_layer_config(cfg),
-        "draft_vocab_size": logical if reduced else rows,
+        "draft_vocab_size": draft_vocab_size,
         "block_size": cfg.block_size,
-        "target_hidden_size": head.hidden_size,
+        "target_hidden_size": target_hidden_size,
         "aux_hidden_state_layer_ids": [k + 1 for k in cfg.target_layer_ids],
         "mask_token_id": cfg.mask_token_id,
         "sliding_window_non_causal": False,
@@ -579,7 +610,6 @@ def speculators_layout(
             "mup_folded_into": folded,
         },
     }
-    return tensors, config
 
 
 def _fold_mup_into_norm(state: dict[str, torch.Tensor], cfg: DSparkConfig, mult: float) -> None:

@@ -74,8 +74,12 @@ class TargetRecipe:
 
 @dataclass
 class DraftRecipe:
-    """The DSpark draft network; names follow the SGLang DSpark config.json."""
+    """The draft network; names follow the SGLang DSpark / DFlash config.json."""
 
+    kind: Literal["dspark", "dflash"] = "dspark"
+    """dspark: SGLang DSPARK / vLLM speculators (G drafts per block, Markov + confidence
+    heads); dflash: SGLang DFLASH (G-1 drafts from rows 1..G-1, no heads; the markov_* and
+    confidence fields are not used)."""
     hidden_size: int = 256
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
@@ -96,6 +100,10 @@ class DraftRecipe:
     markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
     enable_confidence_head: bool = True
     confidence_head_with_markov: bool = True
+    layer_types: list[Literal["full_attention", "sliding_attention"]] = field(default_factory=list)
+    """One attention type per draft layer; empty = all full_attention (DSpark: only that)."""
+    sliding_window: int = 0
+    """Keys a sliding_attention query sees, itself included (HF `sliding_window`)."""
     init_from: str = ""
     """Optional exported drafter directory to start from."""
 
@@ -163,6 +171,19 @@ class OptimRecipe:
 
 
 @dataclass
+class ServedEvalRecipe:
+    """Served accept length during training (train.served_eval)."""
+
+    num_prompts: int = 0
+    """Held-out prompts decoded in all, split over the ranks (0 = off)."""
+    workloads: list[str] = field(default_factory=lambda: ["gsm8k"])
+    """Built-in evaluation workloads or name=path:field (evaluation/prompts.py); first turns."""
+    max_new_tokens: int = 64
+    max_seconds: float = 300.0
+    """Per rank and evaluation: prompts not started by then are skipped (and counted)."""
+
+
+@dataclass
 class TrainRecipe:
     seed: int = 0
     epochs: int = 10
@@ -178,6 +199,9 @@ class TrainRecipe:
     """An optimizer step whose loss or gradient is non-finite (on any rank) is skipped: no
     weight, optimizer or LR-scheduler change. This many skipped steps in a row stop the
     run, saving the last good state."""
+    served_eval: ServedEvalRecipe = field(default_factory=lambda: ServedEvalRecipe())
+    """Real speculative decoding with the hf target every eval_interval steps and at the
+    end (eval/accept_length); see specforge_dspark/served_eval.py."""
 
 
 @dataclass
@@ -219,6 +243,12 @@ class ExportRecipe:
     """speculators (vLLM) draft vocabulary: "full" = every LM-head row, no t2d/d2t (what
     training covers); "reduced" = the logical vocabulary with t2d/d2t and a stored LM
     head, for vLLM builds that cannot serve a full padded-vocab draft as the identity."""
+    calibrate_prompts: int = 0
+    """> 0: after the final export, fit per-position confidence temperatures (sequential
+    temperature scaling, evaluation/calibrate.py) by speculative decoding on this many
+    held-out prompts per workload and write EXPORT/sglang/sts_calibration.json, which
+    SGLang loads with --speculative-dspark-confidence-sts-path (draft.kind dspark)."""
+    calibrate_workloads: list[str] = field(default_factory=lambda: ["gsm8k", "mt_bench"])
 
 
 @dataclass
@@ -430,6 +460,25 @@ def validate(r: Recipe) -> list[str]:
         f"draft.target_layer_ids must be ascending (SGLang captures them in order), got "
         f"{d.target_layer_ids}",
     )
+    need(
+        not d.layer_types or len(d.layer_types) == d.num_hidden_layers,
+        f"draft.layer_types has {len(d.layer_types)} entries, draft.num_hidden_layers is "
+        f"{d.num_hidden_layers}",
+    )
+    sliding = "sliding_attention" in d.layer_types
+    if d.kind == "dspark":
+        need(not sliding, "draft.layer_types: sliding_attention needs draft.kind: dflash")
+    else:
+        need(
+            not sliding or d.sliding_window >= d.block_size,
+            f"draft.sliding_window ({d.sliding_window}) must be >= draft.block_size "
+            f"({d.block_size}) for sliding_attention layers",
+        )
+        need(
+            o.bce_weight == 0,
+            "objective.bce_weight must be 0 for draft.kind: dflash (it has no confidence head)",
+        )
+    need(d.sliding_window >= 0, "draft.sliding_window must be >= 0")
     need(d.rms_norm_eps > 0, "draft.rms_norm_eps must be > 0")
     need(d.rope_theta > 0, "draft.rope_theta must be > 0")
 
@@ -459,6 +508,25 @@ def validate(r: Recipe) -> list[str]:
     need(t.grad_accum >= 1, "train.grad_accum must be >= 1")
     need(t.log_interval >= 1, "train.log_interval must be >= 1")
     need(t.eval_interval >= 0, "train.eval_interval must be >= 0")
+    need(r.export.calibrate_prompts >= 0, "export.calibrate_prompts must be >= 0")
+    need(
+        r.export.calibrate_prompts == 0
+        or (
+            r.draft.kind == "dspark"
+            and r.draft.enable_confidence_head
+            and "sglang" in r.export.formats
+        ),
+        "export.calibrate_prompts > 0 needs draft.kind dspark with a confidence head and the "
+        "sglang export format",
+    )
+    se = t.served_eval
+    need(se.num_prompts >= 0, "train.served_eval.num_prompts must be >= 0")
+    need(se.max_new_tokens >= 1, "train.served_eval.max_new_tokens must be >= 1")
+    need(se.max_seconds > 0, "train.served_eval.max_seconds must be > 0")
+    need(
+        se.num_prompts == 0 or bool(se.workloads),
+        "train.served_eval.workloads: give at least one workload",
+    )
     need(
         t.max_nonfinite_steps >= 1,
         f"train.max_nonfinite_steps must be >= 1, got {t.max_nonfinite_steps}",

@@ -16,10 +16,10 @@ import torch
 from tests.live_sglang import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 150
+STEPS = 100
 SMALL = [
     f"train.max_steps={STEPS}", "train.log_interval=1", "train.eval_interval=0",
-    "checkpoint.save_interval=25", "checkpoint.keep_last=2", "data.max_rows=96",
+    "checkpoint.save_interval=20", "checkpoint.keep_last=2", "data.max_rows=96",
     "data.max_length=128", "objective.num_anchors=16", "objective.chunk_size=8",
     "tracking.enabled=false", "export.formats=[sglang]",
 ]  # fmt: skip

@@ -257,6 +257,33 @@ def test_evaluate_writes_consistent_reports(tiny_target_dir, tmp_path, shared_da
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = (out / "report.md").read_text()
     assert "| gsm8k |" in report and "padded drafts" in report
+    # intervals over prompts, and the decoded texts beside the report
+    for stats in [*wl.values(), overall]:
+        low, high = stats["accept_length_ci"]
+        assert low <= stats["accept_length"] <= high
+    gens = [json.loads(line) for line in (out / "generations.jsonl").open()]
+    assert [(g["workload"], g["turn"]) for g in gens] == [
+        ("gsm8k", 0),
+        ("mt_bench", 0),
+        ("mt_bench", 1),
+    ]
+    assert sum(g["verify_steps"] for g in gens) == overall["steps"]
+    assert all(g["output"] and g["new_tokens"] == 1 + g["committed"] for g in gens)
+
+
+def test_ngram_drafter_is_lossless_and_shares_the_reference(tiny_target_dir, tmp_path, shared_data):
+    from evaluation.ngram import NgramDrafter
+
+    references: dict = {}
+    kw = dict(num_prompts=2, max_new_tokens=24, data_dir=shared_data / "eval", log=lambda *_: None)
+    a = evaluate(tiny_target_dir, NgramDrafter(4), ["gsm8k"], out_dir=tmp_path / "a",
+                 references=references, **kw)  # fmt: skip
+    assert len(references) == 2 and a["overall"]["lossless"] is True
+    assert a["draft"] == "NgramDrafter" and a["block_size"] == 4
+    b = evaluate(tiny_target_dir, "ngram:4", ["gsm8k"], out_dir=tmp_path / "b",
+                 references=references, **kw)  # fmt: skip
+    assert len(references) == 2  # decoded once, checked twice
+    assert b["overall"]["accept_length"] == a["overall"]["accept_length"] >= 1.0
 
 
 def test_mt_bench_second_turn_follows_the_targets_first_answer(target, shared_data, wrong):

@@ -1,4 +1,4 @@
-"""Faults of the job itself on CPU (2 gloo ranks, live hf target, 150 tiny steps), each
+"""Faults of the job itself on CPU (2 gloo ranks, live hf target, 100 tiny steps), each
 checked against one uninterrupted run: the loss of every step and the final weights
 must be equal, bitwise.
 
@@ -70,10 +70,10 @@ def _stop_and_check(job, out, target, sig) -> float:
 def test_sigterm_to_a_rank_and_sigint_to_torchrun_save_and_resume_exactly(reference, tmp_path):
     out = tmp_path / "signals"
     job = launch(out, "--resume", "none")
-    wait_step(out, 40, job)
+    wait_step(out, 30, job)
     term_s = _stop_and_check(job, out, ranks(job)[1], signal.SIGTERM)
     job = launch(out, "--resume", "auto")
-    wait_step(out, 95, job)
+    wait_step(out, 70, job)
     int_s = _stop_and_check(job, out, job, signal.SIGINT)
     assert finish(out) == 0
     assert_same_run(out, reference)
@@ -83,7 +83,7 @@ def test_sigterm_to_a_rank_and_sigint_to_torchrun_save_and_resume_exactly(refere
 def test_a_dead_launcher_stops_its_ranks_and_a_second_job_is_refused(reference, tmp_path):
     out = tmp_path / "orphans"
     job = launch(out, "--resume", "none")
-    wait_step(out, 30, job)
+    wait_step(out, 25, job)
     orphans = ranks(job)
     holder = json.loads((out / ".run.lock").read_text())
     assert holder["pid"] in [p.pid for p in orphans]
@@ -109,7 +109,7 @@ def test_two_nodes_match_one_node_and_resume_across_a_restart(reference, tmp_pat
     out = tmp_path / "nodes"
     port = free_port()
     nodes = [launch(out, "--resume", "none", nodes=2, node_rank=n, port=port) for n in (0, 1)]
-    wait_step(out, 60, *nodes)
+    wait_step(out, 45, *nodes)
     for job in nodes:
         kill_job(job)  # the whole job, both nodes
     port = free_port()
@@ -136,7 +136,7 @@ def test_chaos_four_random_hits_each_resumed_give_the_uninterrupted_run(referenc
     seed = int(os.environ.get("SPECFORGE_CHAOS_SEED", time.time_ns() % 10_000))
     rng = random.Random(seed)
     hits = rng.sample(HITS, len(HITS))
-    at = [base + rng.randint(-6, 6) for base in (25, 50, 75, 100)]  # >= 13 steps apart
+    at = [base + rng.randint(-4, 4) for base in (18, 36, 54, 72)]  # >= 10 steps apart
     plan = ", ".join(f"{h} at {s}" for h, s in zip(hits, at, strict=True))
     print(f"chaos seed {seed}: {plan}")
     out = tmp_path / "chaos"

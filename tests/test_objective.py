@@ -659,3 +659,23 @@ def test_bench_dispatch_reports_a_missing_benchmark(monkeypatch, capsys):
     assert bench.main(["here", "--x", "1"]) == 0 and calls == [["--x", "1"]]
     assert bench.main(["all"]) == 1 and calls[-1] == []  # runs the others, reports the absent
     assert bench.main(["nonsense"]) == 2
+
+
+def test_bench_objective_runs_each_block_size_and_reports_the_rss_ratio(monkeypatch, capsys):
+    from specforge_dspark import bench
+
+    seen = []
+
+    def fake_run(cmd, capture_output, text):
+        get = lambda flag: cmd[cmd.index(flag) + 1]  # noqa: E731
+        G, n = int(get("--block-sizes")), int(get("--anchors"))
+        seen.append((get("--kind"), G, n))
+        line = f"objective kind=x G={G} anchors={n} chunk=32 peak_rss_mb={1000 * G + n}"
+        return types.SimpleNamespace(returncode=0, stdout=line + "\n", stderr="")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    argv = ["--anchors", "32", "256", "--chunks", "32", "--block-sizes", "7", "16"]
+    assert bench.objective_main([*argv, "--kind", "dflash"]) == 0
+    assert seen == [("dflash", 7, 32), ("dflash", 7, 256), ("dflash", 16, 32), ("dflash", 16, 256)]
+    out = capsys.readouterr().out
+    assert "G=16 chunk=32 rss_ratio anchors 256/32 = 1.014" in out  # 16256 / 16032

@@ -22,11 +22,11 @@ def test_recipes_exist():
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_every_recipe_loads_and_builds_on_meta(path):
-    from specforge_dspark.model import DSparkConfig, DSparkDraft
+    from specforge_dspark.drafts import new_draft
 
     r = load_recipe(path)
     with torch.device("meta"):
-        draft = DSparkDraft(DSparkConfig.from_recipe(r.draft))
+        draft = new_draft(r.draft)  # DSpark or DFlash by draft.kind
     assert sum(p.numel() for p in draft.parameters()) > 0
     assert draft.config.block_size == r.draft.block_size
 
@@ -111,6 +111,13 @@ def test_problems_are_collected_into_one_error(tmp_path):
         ({"train": {"max_nonfinite_steps": 0}}, "train.max_nonfinite_steps must be >= 1"),
         ({"target": {"max_restarts": -1}}, "target.max_restarts must be >= 0"),
         ({"target": {"restart_backoff_s": -1}}, "target.restart_backoff_s must be >= 0"),
+        ({"train": {"served_eval": {"num_prompts": -1}}}, "served_eval.num_prompts must be >= 0"),
+        ({"train": {"served_eval": {"max_seconds": 0}}}, "served_eval.max_seconds must be > 0"),
+        ({"train": {"served_eval": {"num_prompts": 2, "workloads": []}}}, "at least one workload"),
+        (
+            {"export": {"calibrate_prompts": 4, "formats": ["speculators"]}},
+            "export.calibrate_prompts > 0 needs",
+        ),
     ],
 )
 def test_bad_values(raw, needle):

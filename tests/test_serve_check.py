@@ -37,10 +37,25 @@ def trained_export(tiny_qwen3_dir, tmp_path_factory) -> Path:
     return out / "export" / "sglang"
 
 
+@pytest.fixture(scope="module")
+def calibrated_export(trained_export, tiny_qwen3_dir, tmp_path_factory) -> Path:
+    """The trained export with sts_calibration.json (evaluation/calibrate.py) inside."""
+    from evaluation.calibrate import calibrate_export
+
+    out = tmp_path_factory.mktemp("calibration")
+    calibrate_export(
+        tiny_qwen3_dir, trained_export, ["gsm8k"], num_prompts=3, max_new_tokens=32,
+        out_dir=out, log=lambda *a: None,
+    )  # fmt: skip
+    assert (trained_export / "sts_calibration.json").is_file()
+    return trained_export
+
+
 @pytest.mark.slow
 def test_sglang_serves_our_export_as_our_harness_decodes_it(
-    trained_export, tiny_qwen3_dir, tmp_path
+    calibrated_export, tiny_qwen3_dir, tmp_path
 ):
+    trained_export = calibrated_export
     report = serve_check(
         tiny_qwen3_dir,
         trained_export,
@@ -53,12 +68,32 @@ def test_sglang_serves_our_export_as_our_harness_decodes_it(
     )
     saved = json.loads((tmp_path / "serve_check.json").read_text())
     assert saved["agree"] is True, [explain(r) for r in saved["prompts"] if not r["agree"]]
+    # SGLang's default static verify mode builds no confidence head and ignores the file
+    assert saved["sts_path"] and saved["sts_loaded"] is False
     assert saved["num_prompts"] == 4 + 2 * 4  # mt_bench has two turns
     assert saved["sglang_accept_length"] == pytest.approx(saved["harness_accept_length"])
     assert report["harness_accept_length"] > 1.5, "a drafter that accepts little checks little"
     assert saved["padded_draft_rate"] == 0.0, "a trained drafter never drafts a padded row"
     served = sum(sum(r["sglang_hist"][1:]) for r in saved["prompts"])
     assert served > 0, "SGLang accepted no draft at all"
+
+
+@pytest.mark.slow
+def test_sglang_loads_our_sts_calibration_in_its_confidence_budget_mode(
+    calibrated_export, tiny_qwen3_dir, tmp_path, monkeypatch
+):
+    """With a ragged verify mode SGLang builds the confidence head, applies our per-position
+    temperatures to its survival budget (dspark_planner.py), and still decodes losslessly
+    (it verifies fewer drafts than our verify-all harness, so only tokens are compared)."""
+    monkeypatch.setenv("SGLANG_RAGGED_VERIFY_MODE", "cap-accept")
+    report = serve_check(
+        tiny_qwen3_dir, calibrated_export, ["gsm8k"], num_prompts=2, max_new_tokens=32,
+        out_dir=tmp_path, port=free_port(), log=lambda *a: None,
+    )  # fmt: skip
+    assert report["sts_loaded"] is True, "SGLang did not log loading the STS calibration"
+    assert all(r["tokens_equal"] for r in report["prompts"]), [
+        explain(r) for r in report["prompts"] if not r["tokens_equal"]
+    ]
 
 
 def test_a_disagreement_names_the_prompt_the_step_and_both_streams():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -65,3 +66,35 @@ def test_pretraining_lowered_the_loss_and_build_is_cached(tiny_target_dir):
     before = (tiny_target_dir / "model.safetensors").stat().st_mtime_ns
     build(tiny_target_dir, log=lambda *a: None)
     assert (tiny_target_dir / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_loops_detects_short_periods_only():
+    from specforge_dspark.tiny_target import loops
+
+    assert loops([7] * 48)
+    assert loops(list(range(100)) + [1, 2, 3] * 16)  # period 3 in the last 48
+    assert loops([0] * 10 + list(range(8)) * 6)  # period 8
+    assert not loops(list(range(9)) * 6)  # period 9
+    assert not loops([1, 2] * 23)  # too short to judge (46 < 48 tokens)
+    assert not loops([1, 2] * 30 + [5])  # broken by the last token
+
+
+def test_target_writes_without_looping(tiny_target_dir):
+    """Measured at build (build_info.json) and re-checked here on the first prompts."""
+    from specforge_dspark.tiny_target import LOOP_WORKLOADS, greedy_loop_rate
+
+    info = json.loads((tiny_target_dir / "build_info.json").read_text())
+    rows = info["continuations"]
+    assert len(rows) == 20 * len(LOOP_WORKLOADS) and {r["workload"] for r in rows} == set(
+        LOOP_WORKLOADS
+    )
+    assert info["loop_rate"] == pytest.approx(sum(r["loops"] for r in rows) / len(rows))
+    assert info["loop_rate"] <= 0.20, f"the tiny target loops on {info['loop_rate']:.0%} of prompts"
+    held = info["heldout_loss"]
+    assert {"gsm8k_test", "sharegpt", "mean"} <= set(held) and 0 < held["mean"] < 4.0
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    again = greedy_loop_rate(model, tok, num_prompts=1)["continuations"]
+    first = {(r["workload"], r["index"]): r for r in rows}
+    for r in again:  # the recorded continuations are this model's
+        assert first[(r["workload"], r["index"])]["text"] == r["text"]

@@ -37,6 +37,8 @@ def _train(out: Path, *extra: str, env: dict | None = None, port: int = 29701):
         "tracking.project=test_train",
         f"tracking.dir={out / 'trackio'}",
         "export.formats=[sglang]",
+        "train.served_eval.num_prompts=2",
+        "train.served_eval.max_new_tokens=16",
     ]
     cmd = [
         sys.executable,
@@ -59,6 +61,15 @@ def _train(out: Path, *extra: str, env: dict | None = None, port: int = 29701):
 def _losses(out: Path) -> dict[int, float]:
     lines = (out / "metrics.jsonl").read_text().splitlines()
     return {m["step"]: m["loss"] for m in map(json.loads, lines) if "loss" in m}
+
+
+def _served(out: Path) -> dict[int, float]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return {
+        m["step"]: m["eval/accept_length"]
+        for m in map(json.loads, lines)
+        if "eval/accept_length" in m
+    }
 
 
 def _weights(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -92,6 +103,11 @@ def test_killed_save_leaves_previous_checkpoint_and_resume_is_exact(runs):
     ref, got = _losses(base / "full"), _losses(base / "killed")
     assert sorted(ref) == list(range(1, STEPS + 1))
     assert [got[s] for s in range(1, STEPS + 1)] == [ref[s] for s in range(1, STEPS + 1)]
+    # served accept length (real speculative decoding) at every eval interval and at the
+    # end, the same values at the same steps after the resume
+    assert sorted(_served(base / "full")) == [2, 4]
+    assert _served(base / "killed") == _served(base / "full")
+    assert all(1.0 <= v <= 6.0 for v in _served(base / "full").values())  # 1..G+1
     a = _weights(base / "full" / "ckpt" / f"step-{STEPS}")
     b = _weights(ck / f"step-{STEPS}")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -135,3 +151,7 @@ def test_metrics_reach_trackio(runs, monkeypatch):
     assert abs(last["loss"] - _losses(base / "full")[STEPS]) < 1e-6
     evals = [m for m in logs if "eval/loss" in m]  # train.eval_interval=2: after step 2
     assert len(evals) == 1 and all(k in evals[0] for k in ("eval/tau", "eval/alpha/0"))
+    served = [m for m in logs if "eval/accept_length" in m]
+    assert [m["eval/served_prompts"] for m in served] == [2, 2]  # steps 2 and 4
+    gap = evals[0]["eval/tau_minus_accept_length"]  # step 2: teacher-forced minus served
+    assert gap == pytest.approx(evals[0]["eval/tau"] - served[0]["eval/accept_length"])

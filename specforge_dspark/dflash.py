@@ -1,0 +1,387 @@
+"""The DFlash draft network (torch only, layers from `draft_layers.py`) and its SGLang config.
+
+A DFlash drafter is a DSpark drafter without the Markov and confidence heads, served with
+SGLang 0.5.23's `--speculative-algorithm DFLASH` under ITS slot convention. Checked against
+the installed source (where this file and DSPARK_SPEC.md differ, the engine wins):
+- `sglang/srt/speculative/dflash_worker_v2.py` (draft step of `forward_batch_generation`):
+  the block is [bonus, MASK * (G-1)] at positions seq_len .. seq_len+G-1 (seq_len = the
+  committed tokens, whose target hidden states are in the draft's KV cache); the drafts are
+  the greedy argmax of the target LM head over hidden rows 1..G-1 (`draft_hidden[:, 1:]`,
+  raw `lm_head.weight`, every row, no muP division: an argmax is scale free), so one block
+  yields G-1 drafts and the target verifies the G tokens [bonus, d_1 .. d_{G-1}].
+  DSpark instead drafts from all G rows (slot k predicts a+k+1, prev-token Markov head):
+  here row k (k >= 1) predicts the token at a+k and row 0 predicts nothing.
+- context K/V (`_append_target_hidden_sequential`): each layer's k_proj/v_proj of the shared
+  hidden_norm(fc(aux)) WITHOUT the layer's input_layernorm, then k_norm, then RoPE at the
+  context positions: the same KV injection as DSpark (`draft_layers.DecoderLayer`).
+- `sglang/srt/models/dflash.py` `_get_dflash_layer_attention_params`: "full_attention"
+  layers are ENCODER_ONLY (bidirectional inside the block), "sliding_attention" layers are
+  DECODER (causal inside the block) with `sliding_window - 1` keys to the left
+  (`dflash_utils.get_dflash_attention_sliding_window_size`: HF windows include the current
+  token); `config.is_causal` would override both and is refused here.
+- `dflash_utils.parse_dflash_draft_config` for the keys (`block_size`, `target_layer_ids`,
+  `num_target_layers`, `mask_token_id` in `dflash_config` or at the root).
+- noise embedding: the target's `get_input_embeddings()` (Inkling's outer model: the raw
+  `embed_tokens`, as for DSpark); the worker's `noise_embed_scale` is 1 for our targets.
+Not modelled (refused on load): grouped convolutions, selector / Domino / LiLiCorr heads,
+attention sinks, V scaling, a draft-owned embedding.
+
+Shape legend as in model.py (B batch, S context, N blocks, G block size, Q = N*G queries,
+K = S + Q keys, H hidden, D = m*H aux features, V vocab rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from specforge_dspark.draft_layers import DecoderLayer, RMSNorm, rope_tables
+from specforge_dspark.model import build_visibility_mask
+
+if TYPE_CHECKING:
+    from specforge_dspark.recipe import DraftRecipe
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+DFLASH_KEYS = ("block_size", "target_layer_ids", "num_target_layers", "mask_token_id")
+"""Keys SGLang's `parse_dflash_draft_config` reads; written in dflash_config and mirrored
+at the root."""
+
+# dflash_config / root settings SGLang honours that change the math: key -> allowed values.
+_SUPPORTED_VALUES: dict[str, tuple] = {
+    "conv_kernel_size": (0,),
+    "selector_rank": (0,),
+    "attention_sink_bias": (False,),
+    "attention_value_scale": (),
+    "projector_type": (),
+    "output_multiplier": (1.0,),
+    "final_logit_softcapping": (0, 0.0),
+    "is_causal": (),
+    "use_gemma_norm": (False,),
+    "attention_bias": (False,),
+    "has_embed_tokens": (False,),
+    "partial_rotary_factor": (1.0,),
+}
+
+
+@dataclass(kw_only=True)
+class DFlashConfig:
+    """Architecture of a DFlash drafter; field names are those of SGLang's config.json."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 32768
+    vocab_size: int
+    """Rows of the target LM head (padded vocabulary)."""
+    block_size: int = 16
+    target_layer_ids: list[int]
+    num_target_layers: int
+    mask_token_id: int
+    layer_types: list[str] = field(default_factory=list)
+    """One entry per layer, "full_attention" or "sliding_attention"; empty = all full."""
+    sliding_window: int = 0
+    """Keys a sliding layer's query sees, itself included (HF convention); 0 = none."""
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.layer_types = list(self.layer_types) or ["full_attention"] * self.num_hidden_layers
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"DFlashConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.block_size < 2:
+            raise ValueError(f"DFlashConfig.block_size must be >= 2, got {self.block_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("DFlashConfig.num_attention_heads must be a multiple of kv heads")
+        if self.hidden_act != "silu":
+            raise ValueError(f"DFlashConfig.hidden_act must be 'silu', got {self.hidden_act!r}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"DFlashConfig.mask_token_id ({self.mask_token_id}) must be in "
+                f"[0, vocab_size={self.vocab_size})"
+            )
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if not self.target_layer_ids or bad:
+            raise ValueError(f"DFlashConfig.target_layer_ids {self.target_layer_ids} invalid")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"DFlashConfig.layer_types has {len(self.layer_types)} entries, "
+                f"num_hidden_layers is {self.num_hidden_layers}"
+            )
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"DFlashConfig.layer_types: unknown {unknown}; use {LAYER_TYPES}")
+        if "sliding_attention" in self.layer_types and self.sliding_window < self.block_size:
+            raise ValueError(
+                f"DFlashConfig.sliding_window ({self.sliding_window}) must be >= block_size "
+                f"({self.block_size}) for sliding_attention layers"
+            )
+
+    @classmethod
+    def from_recipe(cls, draft: DraftRecipe) -> DFlashConfig:
+        """From a `recipe.DraftRecipe` (the DSpark-only fields are not read)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{n: getattr(draft, n) for n in names if hasattr(draft, n)})
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DFlashConfig:
+        """Read a SGLang DFlash config.json; dflash_config wins over the root, as in
+        `parse_dflash_draft_config`. Settings served with other math raise ValueError."""
+        nested = d.get("dflash_config") or {}
+
+        def get(key: str, default: Any = None) -> Any:
+            value = nested.get(key, d.get(key))
+            if value is None and default is None:
+                raise ValueError(f"config.json: {key} is missing (dflash_config and root)")
+            return default if value is None else value
+
+        for key, allowed in _SUPPORTED_VALUES.items():
+            value = nested.get(key, d.get(key))
+            if value is not None and value not in allowed:
+                raise ValueError(f"config.json: {key}={value!r} is not supported by DFlashDraft")
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError("config.json: only the default RoPE is supported")
+        heads, hidden = int(get("num_attention_heads")), int(get("hidden_size"))
+        layer_ids = [int(i) for i in get("target_layer_ids")]
+        return cls(
+            hidden_size=hidden,
+            num_hidden_layers=int(get("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(get("num_key_value_heads", heads)),
+            head_dim=int(get("head_dim", hidden // heads)),
+            intermediate_size=int(get("intermediate_size")),
+            hidden_act=str(get("hidden_act", "silu")),
+            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta") or get("rope_theta", 10000.0)),
+            max_position_embeddings=int(get("max_position_embeddings", 32768)),
+            vocab_size=int(get("vocab_size")),
+            block_size=int(get("block_size", 16)),
+            target_layer_ids=layer_ids,
+            num_target_layers=int(get("num_target_layers", max(layer_ids) + 1)),
+            mask_token_id=int(get("mask_token_id")),
+            layer_types=list(get("layer_types", [])),
+            sliding_window=int(d.get("sliding_window") or 0),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """SGLang DFLASH layout: `DFlashDraftModel`, DFlash keys in dflash_config (and the
+        root), `layer_types` + `sliding_window` (with `use_sliding_window`) at the root."""
+        dflash = {k: _plain(getattr(self, k)) for k in DFLASH_KEYS}
+        arch = {
+            f.name: _plain(getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if f.name not in DFLASH_KEYS and f.name != "sliding_window"
+        }
+        # transformers' Qwen3Config (which SGLang parses this file with) keeps
+        # sliding_window only with use_sliding_window; layer_types are kept as given.
+        window = {"use_sliding_window": False}
+        if "sliding_attention" in self.layer_types:
+            window = {"use_sliding_window": True, "sliding_window": self.sliding_window}
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            **arch,
+            **window,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            **dflash,
+            "dflash_config": dict(dflash),
+        }
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, list) else value
+
+
+# --------------------------------------------------------------------------- masks
+
+
+def build_dflash_masks(
+    anchors_BN: torch.Tensor,
+    block_valid_BN: torch.Tensor,
+    ctx_valid_BS: torch.Tensor,
+    block_size: int,
+    sliding_window: int,
+) -> dict[str, torch.Tensor]:
+    """Visibility `[B, N*G, S + N*G]` (True = visible) per layer type.
+
+    full_attention: `model.build_visibility_mask` (context c < anchor, bidirectional inside
+    the block). sliding_attention: that AND causal (key position <= query position) AND
+    inside the window (key position >= query position - (sliding_window - 1)); the
+    positions are a+k for slot k of the block anchored at a, c for context key c.
+    """
+    full = build_visibility_mask(anchors_BN, block_valid_BN, ctx_valid_BS, block_size)
+    masks = {"full_attention": full}
+    if sliding_window > 0:
+        B, N = anchors_BN.shape
+        S, dev = ctx_valid_BS.shape[1], anchors_BN.device
+        q_pos_BQ = (anchors_BN[..., None] + torch.arange(block_size, device=dev)).reshape(B, -1)
+        k_pos_BK = torch.cat((torch.arange(S, device=dev).expand(B, S), q_pos_BQ), dim=1)
+        delta_BQK = q_pos_BQ[:, :, None] - k_pos_BK[:, None, :]
+        masks["sliding_attention"] = full & (delta_BQK >= 0) & (delta_BQK < sliding_window)
+    return masks
+
+
+# --------------------------------------------------------------------------- model
+
+
+class DFlashDraft(nn.Module):
+    """The DFlash drafter; submodule names are SGLang's weight names (`fc`, `hidden_norm`,
+    `layers.{i}.*`, `norm`); no embedding, no LM head."""
+
+    confidence_head = None
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.config = config
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.fc = nn.Linear(len(config.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, eps)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(H, eps)
+
+    @property
+    def num_drafts(self) -> int:
+        """Drafted tokens per block: G - 1 (row 0 is the bonus token)."""
+        return self.config.block_size - 1
+
+    def context(self, aux_hidden_BSD: torch.Tensor) -> torch.Tensor:
+        """Shared context features `[B, S, H]` = hidden_norm(fc(aux)), D = m*H."""
+        if aux_hidden_BSD.shape[-1] != self.fc.in_features:
+            raise ValueError(
+                f"aux_hidden has {aux_hidden_BSD.shape[-1]} features, expected "
+                f"{self.fc.in_features} = len(target_layer_ids) * hidden_size"
+            )
+        return self.hidden_norm(self.fc(aux_hidden_BSD.to(self.fc.weight.dtype)))
+
+    def masks(
+        self, anchors_BN: torch.Tensor, block_valid_BN: torch.Tensor, ctx_valid_BS: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        cfg = self.config
+        window = cfg.sliding_window if "sliding_attention" in cfg.layer_types else 0
+        return build_dflash_masks(anchors_BN, block_valid_BN, ctx_valid_BS, cfg.block_size, window)
+
+    def forward(
+        self,
+        ctx_BSH: torch.Tensor,
+        ctx_pos_BS: torch.Tensor,
+        block_emb_BNGH: torch.Tensor,
+        block_pos_BNG: torch.Tensor,
+        masks: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """Final-normed hidden states `[B, N, G, H]` of every block row (row 0 included);
+        `masks` from `self.masks`. A query with no visible key gets attention output 0."""
+        B, N, G, H = block_emb_BNGH.shape
+        Q = N * G
+        dtype, cfg = self.norm.weight.dtype, self.config
+        rope_ctx = rope_tables(ctx_pos_BS, cfg.head_dim, cfg.rope_theta, dtype)
+        rope_blk = rope_tables(block_pos_BNG.reshape(B, Q), cfg.head_dim, cfg.rope_theta, dtype)
+        args = {}
+        for kind, visible_BQK in masks.items():
+            empty_BQ = ~visible_BQK.any(-1)
+            visible_BQK = visible_BQK.clone()
+            visible_BQK[..., 0] |= empty_BQ  # SDPA gives NaN on an empty row: zeroed below
+            args[kind] = (rope_ctx, rope_blk, visible_BQK[:, None], empty_BQ[:, None, :, None])
+        ctx_BSH = ctx_BSH.to(dtype)
+        x_BQH = block_emb_BNGH.reshape(B, Q, H).to(dtype)
+        for layer, kind in zip(self.layers, cfg.layer_types, strict=True):
+            x_BQH = layer(x_BQH, ctx_BSH, *args[kind])
+        return self.norm(x_BQH).view(B, N, G, H)
+
+    def apply_heads(
+        self, h_BNGH: torch.Tensor, base_logits_BNGV: torch.Tensor, prev_BNG: torch.Tensor
+    ) -> tuple[torch.Tensor, None]:
+        """DFlash has no Markov or confidence head: the base logits are the draft logits."""
+        return base_logits_BNGV, None
+
+    @torch.no_grad()
+    def propose(
+        self,
+        ctx_1SH: torch.Tensor,
+        ctx_len: int,
+        bonus_token: int | torch.Tensor,
+        embed_fn: Callable[[torch.Tensor], torch.Tensor],
+        logits_fn: Callable[[torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, None]:
+        """Greedy drafts of one block as SGLang's DFLASH worker makes them: block
+        [bonus, MASK * (G-1)] at positions ctx_len .. ctx_len+G-1 over context positions
+        0 .. ctx_len-1; draft i (i = 1 .. G-1) = argmax logits_fn(h[i]), the guess for the
+        token at ctx_len + i. Returns (G-1 drafts, None)."""
+        G, device = self.config.block_size, ctx_1SH.device
+        ids_G = torch.full((G,), self.config.mask_token_id, device=device)
+        ids_G[0] = torch.as_tensor(bonus_token, device=device).reshape(())
+        masks = self.masks(
+            torch.tensor([[ctx_len]], device=device),
+            torch.ones(1, 1, dtype=torch.bool, device=device),
+            torch.ones(1, ctx_len, dtype=torch.bool, device=device),
+        )
+        h_GH = self(
+            ctx_1SH[:, :ctx_len],
+            torch.arange(ctx_len, device=device)[None],
+            embed_fn(ids_G)[None, None],
+            (ctx_len + torch.arange(G, device=device))[None, None],
+            masks,
+        )[0, 0]
+        return logits_fn(h_GH[1:]).argmax(-1), None
+
+    # ----------------------------------------------------------------------- files
+
+    def save_pretrained(self, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
+        """SGLang DFLASH layout: config.json + model.safetensors."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {
+            k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()
+        }
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        config = {**self.config.to_dict(), "dtype": str(dtype).removeprefix("torch.")}
+        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    ) -> DFlashDraft:
+        """Load a SGLang DFLASH directory; a leading "model." is stripped, rotary caches are
+        skipped, any other unknown name or wrong shape raises ValueError naming it."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        config = DFlashConfig.from_dict(json.loads((path / "config.json").read_text()))
+        with torch.device("meta"):
+            model = cls(config)
+        expected = {k: v.shape for k, v in model.state_dict().items()}
+        state = {}
+        for name, tensor in load_file(str(path / "model.safetensors")).items():
+            name = name.removeprefix("model.")
+            if name.startswith("rotary_emb."):
+                continue
+            if expected.get(name) != tensor.shape:
+                raise ValueError(f"{path}: unexpected tensor {name} {tuple(tensor.shape)}")
+            state[name] = tensor.to(device, dtype)
+        missing = sorted(set(expected) - set(state))
+        if missing:
+            raise ValueError(f"{path}: missing tensors {missing}")
+        model.load_state_dict(state, assign=True)
+        return model
+
+
+def is_dflash_dir(path: str | Path) -> bool:
+    """True when `path/config.json` declares SGLang's DFlashDraftModel."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    return "DFlashDraftModel" in (config.get("architectures") or [])

@@ -1,0 +1,130 @@
+"""Serving export of a DFlash draft: the SGLang DFLASH layout (`--speculative-algorithm DFLASH`).
+
+One directory, config.json + model.safetensors (bf16), as `sglang/srt/models/dflash.py`
+`DFlashDraftModel` loads it: `architectures: ["DFlashDraftModel"]`, `model_type: "qwen3"`,
+`dflash_config` with `block_size`, `target_layer_ids`, `num_target_layers`,
+`mask_token_id` (mirrored at the root), `layer_types` and `sliding_window` at the root
+(`dflash_utils.get_dflash_layer_types` / `get_dflash_attention_sliding_window_size`).
+Weights `fc.weight`, `hidden_norm.weight`, `norm.weight`, `layers.{i}.self_attn.{q,k,v,o}_proj
+.weight`, `layers.{i}.self_attn.{q,k}_norm.weight`, `layers.{i}.mlp.{gate,up,down}_proj
+.weight`, `layers.{i}.{input,post_attention}_layernorm.weight`; SGLang's loader stacks q/k/v
+and gate/up itself and silently skips unknown names, so tests compare the names and
+shapes with its own model's. No embedding, no LM head (the target's are used), no
+speculators layout (DFlash is served by SGLang here). The `specforge_dspark` key records
+the conventions (slot, tap, layer ids, vocab) as the DSpark export does.
+
+    python -m specforge_dspark.export --checkpoint RUN/ckpt/step-N --format sglang --out DIR
+dispatches here when the checkpoint's recipe has `draft.kind: dflash`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specforge_dspark import export
+from specforge_dspark.dflash import DFlashConfig, DFlashDraft
+from specforge_dspark.recipe import recipe_from_dict
+
+SLOT_CONVENTION = (
+    "dflash: block [x_a, MASK*(G-1)] at positions a..a+G-1; row i (1..G-1) predicts token a+i"
+)
+
+
+def conventions(cfg: DFlashConfig, target_path: str | Path | None = None) -> dict[str, Any]:
+    """The conventions record of a DFlash draft (export.conventions with its slot rule)."""
+    record: dict[str, Any] = {
+        "format_version": export.CONVENTIONS_VERSION,
+        "sample_from_anchor": False,
+        "slot_convention": SLOT_CONVENTION,
+        "tap_convention": None,
+        "layer_id_convention": export.LAYER_ID_CONVENTION,
+        "target_layer_ids": list(cfg.target_layer_ids),
+        "aux_hidden_state_layer_ids": [k + 1 for k in cfg.target_layer_ids],
+        "num_target_layers": cfg.num_target_layers,
+        "mask_token_id": cfg.mask_token_id,
+        "logical_vocab": None,
+        "vocab_rows": cfg.vocab_size,
+        "mup_multiplier": None,
+    }
+    if target_path:
+        record |= export._target_conventions(Path(target_path), cfg.vocab_size)
+    return record
+
+
+def export_dflash(
+    draft_or_state_dict: DFlashDraft | dict[str, torch.Tensor],
+    cfg: DFlashConfig | None,
+    out_dir: str | Path,
+    target_path: str | Path | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    """Write the SGLang DFLASH layout to `out_dir` (replaced whole, atomically); returns it."""
+    if isinstance(draft_or_state_dict, DFlashDraft):
+        draft = draft_or_state_dict
+    else:
+        if cfg is None:
+            raise export.ExportError("exporting a state_dict needs its DFlashConfig")
+        with torch.device("meta"):
+            draft = DFlashDraft(cfg)
+        try:
+            draft.load_state_dict(draft_or_state_dict, strict=True, assign=True)
+        except RuntimeError as e:
+            raise export.ExportError(f"the weights do not fit the DFlash config: {e}") from None
+    with torch.device("meta"):
+        want = {k: v.shape for k, v in DFlashDraft(draft.config).state_dict().items()}
+    bad = [k for k, v in draft.state_dict().items() if v.shape != want[k]]
+    if bad:
+        raise export.ExportError(f"tensors {bad[:3]} do not have their full shapes (ZeRO-3?)")
+    record = conventions(draft.config, target_path)
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:
+        staging = Path(tmp) / "out"
+        draft.save_pretrained(staging, dtype=dtype)
+        config_file = staging / "config.json"
+        config = json.loads(config_file.read_text())
+        config[export.CONVENTIONS_KEY] = {**record, "mup_folded_into": None}
+        config_file.write_text(json.dumps(config, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    return out
+
+
+def checkpoint_kind(ckpt_dir: str | Path) -> str:
+    """ "dflash" for a DFlash training checkpoint or SGLang DFLASH export, else "dspark"."""
+    kind, resolved = export._resolve(Path(ckpt_dir))
+    if kind == "export":
+        config = json.loads((resolved / "config.json").read_text())
+        return "dflash" if "DFlashDraftModel" in (config.get("architectures") or []) else "dspark"
+    state_file = resolved / "train_state.json"
+    if kind == "training" and state_file.is_file():
+        raw = json.loads(state_file.read_text()).get("recipe") or {}
+        return (raw.get("draft") or {}).get("kind", "dspark")
+    return "dspark"
+
+
+def export_dflash_checkpoint(
+    ckpt_dir: str | Path, fmt: str, out_dir: str | Path, target_path: str | Path | None = None
+) -> Path:
+    """Export a DFlash training checkpoint (or DFLASH export) as `fmt` ("sglang" only)."""
+    if fmt != "sglang":
+        raise export.ExportError(
+            f"--checkpoint {ckpt_dir}: a DFlash draft exports only as sglang (DFLASH), not {fmt}"
+        )
+    kind, resolved = export._resolve(Path(ckpt_dir))
+    if kind == "export":
+        draft = DFlashDraft.from_pretrained(resolved)
+        return export_dflash(draft, None, out_dir, target_path)
+    state_file = resolved / "train_state.json"
+    state = json.loads(state_file.read_text())
+    recipe = recipe_from_dict(state["recipe"], source=str(state_file))
+    cfg = DFlashConfig.from_recipe(recipe.draft)
+    weights = export._deepspeed_weights(resolved, recipe.dist.zero_stage)
+    return export_dflash(weights, cfg, out_dir, target_path or recipe.target.path or None)

@@ -1,0 +1,54 @@
+"""STS calibration (evaluation/calibrate.py) and the confidence verify budget
+(evaluation/budget.py) on synthetic steps: the fit recovers a known temperature, the
+file loads with SGLang's own class, and the budget follows SGLang's rule."""
+
+from __future__ import annotations
+
+import torch
+
+from evaluation.budget import VerifyBudget, budget_from_survival, survival, verify_drafts
+from evaluation.calibrate import evaluate_sts, fit_sts, validate_sts_file, write_sts_file
+
+
+def _synthetic(n: int, true_t: list[float], seed: int):
+    """Steps whose acceptance at slot k is sigmoid(z_k / true_t[k]) given the prefix."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, len(true_t), generator=g, dtype=torch.float64) * 3 + 1
+    acc = torch.rand(n, len(true_t), generator=g, dtype=torch.float64) < torch.sigmoid(
+        z / torch.tensor(true_t, dtype=torch.float64)
+    )
+    return z, acc.long().cumprod(1).sum(1)
+
+
+def test_sts_recovers_temperatures_and_halves_ece():
+    true_t = [2.0, 0.5, 3.0]
+    z, n = _synthetic(20000, true_t, seed=0)
+    temps = fit_sts(z, n)
+    assert all(abs(t / w - 1) < 0.1 for t, w in zip(temps, true_t, strict=True)), temps
+    z2, n2 = _synthetic(20000, true_t, seed=1)
+    before, after = evaluate_sts(z2, n2, [1.0] * 3), evaluate_sts(z2, n2, temps)
+    assert after["conditional"]["ece"] <= 0.5 * before["conditional"]["ece"]
+    for b, a in zip(before["per_position"], after["per_position"], strict=True):
+        assert a["ece"] <= 0.5 * b["ece"] and a["brier"] < b["brier"]
+
+
+def test_sts_file_loads_with_sglangs_class(tmp_path):
+    path = tmp_path / "sts_calibration.json"
+    write_sts_file(path, [0.5, 1.5, 2.0], "gsm8k", 10, [0.3, 0.2, 0.1], [0.1, 0.05, 0.02])
+    assert validate_sts_file(path, 3) == [0.5, 1.5, 2.0]
+
+
+def test_budget_rule():
+    surv = survival([2.0, 0.0, -2.0, -5.0])  # ~[0.88, 0.44, 0.05, 0.0003]
+    assert budget_from_survival(surv, 0.0) == 4  # flat cost: every candidate >= eps
+    assert budget_from_survival(surv, 10.0) == 0  # verifying costs more than it brings
+    mid = budget_from_survival(surv, 0.2)
+    assert 1 <= mid <= 3
+    assert verify_drafts(survival([2.0, -30.0, 5.0]), 3) == 1  # survival < eps is skipped
+    b = VerifyBudget(block_size=4, verify_token_cost=0.2, lag_steps=2)
+    low = [-6.0] * 4
+    # the first two steps see no history (all ones): the budget is every draft, capped
+    # by the current survival >= eps (2 drafts); the third step uses step 1's survival
+    assert [b.drafts_to_verify(low) for _ in range(3)] == [2, 2, 0]
+    b.reset()
+    assert b.drafts_to_verify(low) == 2
