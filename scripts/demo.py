@@ -27,8 +27,19 @@ sys.path.insert(0, str(REPO))
 
 WORKLOADS = "gsm8k,math500,humaneval,mt_bench"
 DRAFTERS = ("trained", "untrained", "ngram")
-# evaluation runs in two processes of one thread each; the slow untrained drafter alone
-EVAL_GROUPS = (("untrained",), ("trained", "ngram"))
+EVAL_REGEN_ROWS = 32  # GSM8K test prompts answered by the target for teacher-forced eval
+# evaluation runs in two processes of one thread each, split by workload (about equal work);
+# in each, the three drafters share the plain greedy references
+EVAL_SPLIT = (("gsm8k", "mt_bench"), ("math500", "humaneval"))
+# the training prompts the target answers: a mix like the seed drafters' data, from rows
+# the evaluation never reads (evaluation takes the first rows, MATH/HumanEval rows below
+# tiny_target.EVAL_ROWS_RESERVED are evaluation-only); (file, field, first row, count)
+PROMPT_MIX = (
+    ("train/gsm8k_train.jsonl", "question", 0, 300),
+    ("eval/math500_test.jsonl", "problem", 100, 150),
+    ("eval/humaneval.jsonl", "prompt", 100, 64),
+    ("train/sharegpt_sample.json", "conversations", 0, 86),
+)
 # served accept length during training and the confidence calibration of the export
 TRAIN_EXTRAS = (
     "train.served_eval.num_prompts=8",
@@ -37,8 +48,29 @@ TRAIN_EXTRAS = (
 )
 
 
-def _evaluate_group(names: tuple[str, ...], drafts: dict, kw: dict) -> dict[str, dict]:
-    """One evaluation process: its drafters share the plain greedy references."""
+def prompt_mix(out: Path) -> Path:
+    """PROMPT_MIX as one jsonl of user turns (OpenAI messages) for the regeneration."""
+    from specforge_dspark.tiny_target import SHARED_DATA
+
+    rows = []
+    for rel, field, first, count in PROMPT_MIX:
+        path = SHARED_DATA / rel
+        if path.suffix == ".json":  # ShareGPT: the first human turn
+            data = json.loads(path.read_text())
+            values = [c[field][0]["value"] for c in data]
+        else:
+            values = [json.loads(line)[field] for line in path.open() if line.strip()]
+        for i, text in enumerate(values[first : first + count]):
+            rows.append(
+                {"id": f"{path.name}:{first + i}", "messages": [{"role": "user", "content": text}]}
+            )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+def _evaluate_part(workloads: tuple[str, ...], drafts: dict, kw: dict, part: int) -> dict:
+    """One evaluation process: every drafter on `workloads`, sharing the greedy references."""
     import torch
 
     from evaluation.acceptance import evaluate
@@ -47,13 +79,51 @@ def _evaluate_group(names: tuple[str, ...], drafts: dict, kw: dict) -> dict[str,
     torch.set_num_threads(1)
     references: dict = {}
     out = {}
-    for name in names:
+    for name in DRAFTERS:
         draft = drafts[name]
         draft = NgramDrafter(draft[1]) if isinstance(draft, tuple) else draft
+        out_dir = Path(kw["out"]) / f"eval_{name}" / f"part{part}"
         rest = {k: v for k, v in kw.items() if k != "out"}
-        out_dir = str(Path(kw["out"]) / f"eval_{name}")
-        out[name] = evaluate(draft=draft, out_dir=out_dir, references=references, **rest)
+        out[name] = evaluate(draft=draft, workloads=list(workloads), out_dir=str(out_dir),
+                             references=references, **rest)  # fmt: skip
     return out
+
+
+def pool(parts: list[dict], eval_dir: Path) -> dict:
+    """One drafter's summaries of disjoint workloads as one: pooled over verify steps, the
+    interval bootstrapped over every prompt (from the parts' generations.jsonl)."""
+    from evaluation.metrics import bootstrap_ci
+
+    workloads = {w: v for p in parts for w, v in p["workloads"].items()}
+    steps = sum(v["steps"] for v in workloads.values())
+    units: dict = {}
+    lines = []
+    for i in range(len(parts)):
+        for line in (eval_dir / f"part{i}" / "generations.jsonl").open():
+            g = json.loads(line)
+            lines.append(line)
+            c, n = units.get((g["workload"], g["index"]), (0, 0))
+            units[(g["workload"], g["index"])] = (c + g["committed"], n + g["verify_steps"])
+    (eval_dir / "generations.jsonl").write_text("".join(lines))
+    G = parts[0]["block_size"]
+    plain = sum(v["seconds_plain"] for v in workloads.values())
+    spec = sum(v["seconds_spec"] for v in workloads.values())
+    overall = {
+        "steps": steps,
+        "accept_length": sum(v["committed_tokens"] for v in workloads.values()) / steps,
+        "accept_length_ci": bootstrap_ci(
+            [c for c, _ in units.values()], [n for _, n in units.values()]
+        ),
+        "per_position": [
+            sum(v["per_position"][k] * v["steps"] for v in workloads.values()) / steps
+            for k in range(G)
+        ],
+        "speedup": plain / spec if spec else None,
+        "lossless": all(v["lossless"] for v in workloads.values()),
+    }
+    summary = {**parts[0], "workloads": workloads, "overall": overall}
+    (eval_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
 
 
 def step(title: str) -> None:
@@ -126,21 +196,26 @@ def main(argv: list[str] | None = None) -> int:
 
     step("2/4 on-policy data: the target answers the training prompts")
     t = time.time()
-    regen = out / "data" / "gsm8k_regenerated.jsonl"
-    regen.parent.mkdir(parents=True, exist_ok=True)
-    src = base.data.train_files
-    cmd = [
-        sys.executable, "-m", "data_pipelines.regenerate", "--recipe", a.recipe,
-        "--input", *src, "--out", str(regen), "--backend", "hf",
-        "--batch-size", str(a.regen_batch), "--max-new-tokens", str(a.regen_max_new_tokens),
-        "--max-rows", str(a.regen_rows), "--quiet",
-    ]  # fmt: skip
-    print(" ".join(cmd[2:]), flush=True)
-    subprocess.run(cmd, check=True)
+    regen = out / "data" / "mix_regenerated.jsonl"
+    regen_eval = out / "data" / "gsm8k_test_regenerated.jsonl"  # teacher-forced eval rows
+    mix = prompt_mix(out / "data" / "prompt_mix.jsonl")
+    for src, fmt, dst, rows in (
+        ([str(mix)], "messages", regen, a.regen_rows),
+        (base.data.eval_files, base.data.format, regen_eval, EVAL_REGEN_ROWS),
+    ):
+        cmd = [
+            sys.executable, "-m", "data_pipelines.regenerate", "--recipe", a.recipe,
+            "--input", *src, "--format", fmt, "--out", str(dst), "--backend", "hf",
+            "--batch-size", str(a.regen_batch), "--max-new-tokens", str(a.regen_max_new_tokens),
+            "--max-rows", str(rows), "--quiet",
+        ]  # fmt: skip
+        print(" ".join(cmd[2:]), flush=True)
+        subprocess.run(cmd, check=True)
     split["regeneration"] = time.time() - t
     overrides = [
         f"train.output_dir={a.out}",
         f"data.train_files=[{regen}]",
+        f"data.eval_files=[{regen_eval}]",
         "data.format=messages",
         f"data.max_rows={a.regen_rows}",
         *TRAIN_EXTRAS,
@@ -181,15 +256,17 @@ def main(argv: list[str] | None = None) -> int:
         "ngram": ("ngram", recipe.draft.block_size),
     }
     workloads = a.workloads.split(",")
-    kw = dict(target_path=str(target), workloads=workloads, num_prompts=a.num_prompts,
+    kw = dict(target_path=str(target), num_prompts=a.num_prompts,
               max_new_tokens=a.max_new_tokens, out=str(out))  # fmt: skip
-    os.environ["OMP_NUM_THREADS"] = "1"  # for the two evaluation processes
-    results: dict[str, dict] = {}
-    with ProcessPoolExecutor(len(EVAL_GROUPS), mp_context=mp.get_context("spawn")) as pool:
-        jobs = [pool.submit(_evaluate_group, g, drafts, kw) for g in EVAL_GROUPS]
-        for job in jobs:
-            results.update(job.result())
-    results = {name: results[name] for name in DRAFTERS}
+    split_by = [tuple(w for w in part if w in workloads) for part in EVAL_SPLIT]
+    split_by = [part for part in split_by if part]
+    split_by += [tuple(w for w in workloads if not any(w in part for part in EVAL_SPLIT))]
+    split_by = [part for part in split_by if part]
+    os.environ["OMP_NUM_THREADS"] = "1"  # for the evaluation processes
+    with ProcessPoolExecutor(len(split_by), mp_context=mp.get_context("spawn")) as ex:
+        jobs = [ex.submit(_evaluate_part, part, drafts, kw, i) for i, part in enumerate(split_by)]
+        parts = [job.result() for job in jobs]
+    results = {name: pool([p[name] for p in parts], out / f"eval_{name}") for name in DRAFTERS}
     split["evaluation"] = time.time() - t
     print_table(results, workloads)
 
@@ -204,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         "target_dir": str(Path(recipe.target.path)),
         "eval_dirs": [str(out / f"eval_{name}") for name in DRAFTERS],
         "training_data": str(regen),
+        "training_prompts": [
+            f"{f}[{first}:{first + n}] ({field})" for f, field, first, n in PROMPT_MIX
+        ],
         "recipe": a.recipe,
         "overrides": overrides,
         "num_prompts": a.num_prompts,

@@ -8,10 +8,17 @@ tokenizer files with a chat template), so every code path loads the target from 
 path. The default uses transformers' own `InklingForCausalLM` (hybrid sliding/full
 attention, short convolutions, MoE, muP logits multiplier, padded LM head) at a tiny
 size; `arch="qwen3"` builds a `Qwen3ForCausalLM` of the same width and depth (the
-architecture SGLang's CPU engine serves, see engines/sglang.py). Both use a
-byte-level BPE trained offline on ../shared/data text, and a brief seeded pre-training
-on that text so that its greedy continuations are text-like. Building is cached: a
-folder holding a `.build_key` equal to this builder's key is reused as it is.
+architecture SGLang's CPU engine serves, see engines/sglang.py).
+
+Both use a byte-level BPE trained offline on ../shared/data text and a seeded causal-LM
+pre-training (cosine schedule) on chat-rendered GSM8K, ShareGPT, MATH and HumanEval
+rows that the evaluation never uses (see `corpus`). The build measures and writes to
+`build_info.json`:
+  - `heldout_loss`: nats/token on GSM8K test answers and held-out ShareGPT turns;
+  - `loop_rate`: the share of greedy 128-token continuations of the evaluation prompts
+    that loop (`loops`: the last 48 tokens periodic with a period <= 8).
+Building is cached: a folder holding a `.build_key` equal to this builder's key (its
+settings, this file's source and the data files' contents) is reused as it is.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import argparse
 import fcntl
 import hashlib
 import json
+import math
 import random
 import shutil
 import time
@@ -28,8 +36,18 @@ from pathlib import Path
 import torch
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-BUILD_VERSION = 3
+BUILD_VERSION = 4
 ARCHS = ("inkling", "qwen3")
+# Pre-training steps by architecture: the Inkling target is the one that must write
+# (the demo and the acceptance figures use it); the Qwen3 one serves SGLang tests.
+PRETRAIN_STEPS = {"inkling": 900, "qwen3": 300}
+PRETRAIN_TOKENS = 2048  # per step
+PRETRAIN_LR = 3e-3
+EVAL_ROWS_RESERVED = 100  # MATH500 / HumanEval rows below this are evaluation-only
+HELDOUT_GSM8K = 100
+HELDOUT_SHAREGPT = 50
+HELDOUT_MT_BENCH = 40
+LOOP_WORKLOADS = ("gsm8k", "math500", "humaneval", "mt_bench")
 
 SPECIAL_TOKENS = [
     "<|pad|>",
@@ -66,36 +84,79 @@ CHAT_TEMPLATE = (
 )
 
 
+def _data_files() -> list[Path]:
+    train, ev = SHARED_DATA / "train", SHARED_DATA / "eval"
+    return [
+        train / "gsm8k_train.jsonl",
+        train / "sharegpt_sample.json",
+        ev / "math500_test.jsonl",
+        ev / "humaneval.jsonl",
+        ev / "gsm8k_test.jsonl",
+        ev / "mt_bench_questions.jsonl",
+    ]
+
+
 def build_key(settings: dict) -> str:
+    """Settings plus this file's source and the data files' bytes (v4 on)."""
     if settings.get("arch") == "inkling":  # keys of Inkling builds predate the field
         settings = {k: v for k, v in settings.items() if k != "arch"}
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    if settings.get("version", 0) >= 4:
+        h.update(Path(__file__).read_bytes())
+        for f in _data_files():
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
-def _corpus(limit: int = 4000) -> list[dict]:
-    """Question/answer pairs and ShareGPT turns from ../shared/data, as chat messages."""
-    rows: list[list[dict]] = []
-    gsm = SHARED_DATA / "train" / "gsm8k_train.jsonl"
-    with gsm.open() as f:
-        for i, line in enumerate(f):
-            if i >= limit:
-                break
-            r = json.loads(line)
-            rows.append(
-                [
-                    {"role": "user", "content": r["question"]},
-                    {"role": "assistant", "content": r["answer"]},
-                ]
-            )
-    share = json.loads((SHARED_DATA / "train" / "sharegpt_sample.json").read_text())
+def _jsonl(path: Path) -> list[dict]:
+    with path.open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _pair(user: str, assistant: str) -> list[dict]:
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+
+
+def corpus() -> tuple[list[list[dict]], dict[str, tuple[list[list[dict]], str]]]:
+    """(pre-training conversations, {name: (held-out conversations, role scored)}).
+
+    Pre-training: every GSM8K train pair, ShareGPT but its last HELDOUT_SHAREGPT
+    conversations, and the MATH500 / HumanEval rows from EVAL_ROWS_RESERVED on (the
+    evaluation reads the first rows of each workload, at most EVAL_ROWS_RESERVED).
+    Held out: the answers of the first HELDOUT_GSM8K GSM8K test pairs, the first turns of
+    HELDOUT_MT_BENCH MT-Bench questions (prose no training row holds) and the answers of
+    the last HELDOUT_SHAREGPT ShareGPT conversations (templated, so the loss is low).
+    """
+    train, ev = SHARED_DATA / "train", SHARED_DATA / "eval"
+    convs = [_pair(r["question"], r["answer"]) for r in _jsonl(train / "gsm8k_train.jsonl")]
     roles = {"human": "user", "gpt": "assistant"}
-    for conv in share:
-        msgs = [
-            {"role": roles.get(t["from"], "user"), "content": t["value"]}
-            for t in conv["conversations"]
-        ]
-        rows.append(msgs)
-    return rows
+    share = [
+        [{"role": roles.get(t["from"], "user"), "content": t["value"]} for t in c["conversations"]]
+        for c in json.loads((train / "sharegpt_sample.json").read_text())
+    ]
+    convs += share[:-HELDOUT_SHAREGPT]
+    math = _jsonl(ev / "math500_test.jsonl")[EVAL_ROWS_RESERVED:]
+    convs += [_pair(r["problem"], r["solution"]) for r in math]
+    code = _jsonl(ev / "humaneval.jsonl")[EVAL_ROWS_RESERVED:]
+    convs += [_pair(r["prompt"], r["prompt"] + r["canonical_solution"]) for r in code]
+    gsm_test = _jsonl(ev / "gsm8k_test.jsonl")[:HELDOUT_GSM8K]
+    mt = _jsonl(ev / "mt_bench_questions.jsonl")[:HELDOUT_MT_BENCH]
+    heldout = {
+        "gsm8k_test_answers": ([_pair(r["question"], r["answer"]) for r in gsm_test], "assistant"),
+        "mt_bench_questions": ([[{"role": "user", "content": r["turns"][0]}] for r in mt], "user"),
+        "sharegpt_answers": (share[-HELDOUT_SHAREGPT:], "assistant"),
+    }
+    return convs, heldout
+
+
+def loops(tokens: list[int], window: int = 48, max_period: int = 8) -> bool:
+    """True if the last `window` tokens repeat with a period <= `max_period`."""
+    if len(tokens) < window:
+        return False
+    tail = tokens[-window:]
+    return any(
+        all(tail[i] == tail[i + p] for i in range(window - p)) for p in range(1, max_period + 1)
+    )
 
 
 def train_tokenizer(texts: list[str], vocab: int):
@@ -188,20 +249,34 @@ def _qwen3_config(tokenizer, hidden: int, layers: int, padded: int, im_end: int)
     return cfg
 
 
-def pretrain(model, tokenizer, convs: list[list[dict]], steps: int, seed: int, log) -> list[float]:
-    """A brief causal-LM pre-training on the chat-rendered corpus (seeded)."""
+def pretrain(
+    model, tokenizer, convs: list[list[dict]], steps: int, seed: int, log, seq: int = 256
+) -> list[float]:
+    """Causal-LM pre-training on the chat-rendered corpus, packed (seeded).
+
+    AdamW at PRETRAIN_LR with a 3% warmup and a cosine decay to a tenth; every step
+    reads `PRETRAIN_TOKENS` tokens as `PRETRAIN_TOKENS // seq` random windows.
+    """
     if steps <= 0:
         return []
     ids = []
     for msgs in convs:
         ids.extend(tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=False))
     data = torch.tensor(ids, dtype=torch.long)
-    seq, batch = 128, 16
+    batch = PRETRAIN_TOKENS // seq
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / steps)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=PRETRAIN_LR, weight_decay=0.01, betas=(0.9, 0.95)
     )
+    warmup = max(1, steps * 3 // 100)
+
+    def lr_scale(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_scale)
+    log(f"  pretrain: {len(data)} corpus tokens, {steps} steps of {batch}x{seq} tokens")
     model.train()
     losses = []
     t0 = time.time()
@@ -215,11 +290,80 @@ def pretrain(model, tokenizer, convs: list[list[dict]], steps: int, seed: int, l
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        if step % 50 == 0 or step == steps - 1:
+        if step % 100 == 0 or step == steps - 1:
             took = time.time() - t0
             log(f"  pretrain step {step + 1}/{steps} loss {loss.item():.3f} ({took:.0f}s)")
     model.eval()
     return losses
+
+
+@torch.inference_mode()
+def heldout_loss(model, tokenizer, heldout: dict) -> dict[str, float]:
+    """Mean nats/token of each held-out set's scored turns, and the sets' mean."""
+    out = {}
+    for name, (convs, role) in heldout.items():
+        total, count = 0.0, 0
+        for msgs in convs:
+            ids, labels = [], []
+            for i, m in enumerate(msgs):
+                n_before = len(ids)
+                ids = tokenizer.apply_chat_template(msgs[: i + 1], tokenize=True, return_dict=False)
+                keep = m["role"] == role
+                labels += ids[n_before:] if keep else [-100] * (len(ids) - n_before)
+            ids, labels = ids[:1024], labels[:1024]
+            x, y = torch.tensor([ids]), torch.tensor([labels])
+            n = int((y[:, 1:] != -100).sum())
+            if n:
+                total += model(input_ids=x, labels=y).loss.item() * n
+                count += n
+        out[name] = round(total / max(1, count), 4)
+    out["mean"] = round(sum(out.values()) / len(out), 4)
+    return out
+
+
+@torch.inference_mode()
+def greedy_loop_rate(
+    model, tokenizer, workloads=LOOP_WORKLOADS, num_prompts: int = 20, max_new_tokens: int = 128
+) -> dict:
+    """Greedy continuations of the first `num_prompts` evaluation prompts of each workload
+    (first turn), and the share that `loops`. Each workload's prompts are decoded as one
+    left-padded batch (equal to one-by-one greedy decoding; the test checks it)."""
+    from evaluation.prompts import load_conversations, parse_workload, render
+
+    gen_eos = model.generation_config.eos_token_id
+    eos = set(gen_eos if isinstance(gen_eos, list) else [gen_eos]) | {tokenizer.eos_token_id}
+    eos.discard(None)
+    pad = tokenizer.pad_token_id
+    rows = []
+    for w in workloads:
+        convs = load_conversations(parse_workload(w), num_prompts)
+        prompts = [render(tokenizer, [{"role": "user", "content": c.turns[0]}]) for c in convs]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (width - len(q)) + q for q in prompts])
+        mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in prompts])
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=sorted(eos),
+            pad_token_id=pad,
+        )[:, width:].tolist()
+        for conv, new in zip(convs, out, strict=True):
+            stop = next((i for i, t in enumerate(new) if t in eos), None)
+            new = new if stop is None else new[: stop + 1]
+            rows.append(
+                {
+                    "workload": w,
+                    "index": conv.index,
+                    "tokens": len(new),
+                    "loops": loops(new),
+                    "text": tokenizer.decode(new, skip_special_tokens=True),
+                }
+            )
+    rate = sum(r["loops"] for r in rows) / len(rows)
+    per = {w: sum(r["loops"] for r in rows if r["workload"] == w) / num_prompts for w in workloads}
+    return {"loop_rate": round(rate, 4), "per_workload": per, "continuations": rows}
 
 
 def build(
@@ -228,7 +372,7 @@ def build(
     arch: str = "inkling",
     hidden: int = 128,
     layers: int = 4,
-    pretrain_steps: int = 300,
+    pretrain_steps: int | None = None,
     seed: int = 0,
     force: bool = False,
     log=print,
@@ -242,7 +386,7 @@ def build(
         "vocab": vocab,
         "hidden": hidden,
         "layers": layers,
-        "pretrain_steps": pretrain_steps,
+        "pretrain_steps": PRETRAIN_STEPS[arch] if pretrain_steps is None else pretrain_steps,
         "seed": seed,
     }
     key = build_key(settings)
@@ -264,31 +408,61 @@ def _build_into(out: Path, settings: dict, key: str, log) -> None:
     pretrain_steps, seed = settings["pretrain_steps"], settings["seed"]
 
     log(f"tiny target: building {out} ({settings})")
+    t0 = time.time()
     random.seed(seed)
     torch.manual_seed(seed)
-    convs = _corpus()
-    texts = [m["content"] for c in convs for m in c]
-    tokenizer = train_tokenizer(texts, vocab)
-    cfg = make_config(tokenizer, hidden, layers, settings["arch"])
-    model = AutoModelForCausalLM.from_config(cfg)
-    losses = pretrain(model, tokenizer, convs, pretrain_steps, seed, log)
-    model.generation_config.eos_token_id = [
-        cfg.eos_token_id,
-        tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-    ]
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.do_sample = False
-
+    convs, heldout = corpus()
     tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    pretrained = tmp / ".pretrained_key"  # a finished pre-training is not redone
+    if pretrained.is_file() and pretrained.read_text() == key:
+        from transformers import AutoTokenizer
+
+        log(f"tiny target: reusing the finished pre-training in {tmp}")
+        model = AutoModelForCausalLM.from_pretrained(tmp).eval()
+        tokenizer = AutoTokenizer.from_pretrained(tmp)
+        losses = json.loads((tmp / "pretrain_losses.json").read_text())
+    else:
+        texts = [m["content"] for c in convs for m in c]
+        tokenizer = train_tokenizer(texts, vocab)
+        cfg = make_config(tokenizer, hidden, layers, settings["arch"])
+        model = AutoModelForCausalLM.from_config(cfg)
+        losses = pretrain(model, tokenizer, convs, pretrain_steps, seed, log)
+        model.generation_config.eos_token_id = [
+            cfg.eos_token_id,
+            tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        ]
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.do_sample = False
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "pretrain_losses.json").write_text(json.dumps(losses))
+        pretrained.write_text(key)
+    t_train = time.time() - t0
+
+    held = heldout_loss(model, tokenizer, heldout)
+    log(f"tiny target: held-out loss {held} (nats/token)")
+    if settings["arch"] == "inkling":
+        looping = greedy_loop_rate(model, tokenizer)
+        per = ", ".join(f"{w} {r:.2f}" for w, r in looping["per_workload"].items())
+        log(f"tiny target: greedy loop rate {looping['loop_rate']:.3f} ({per})")
+    else:  # the Qwen3 target serves SGLang tests; its text is not what they measure
+        looping = {"loop_rate": None, "per_workload": None, "continuations": []}
     (tmp / "build_info.json").write_text(
         json.dumps(
             {
                 "settings": settings,
                 "key": key,
                 "pretrain_losses": losses[:: max(1, len(losses) // 20)],
+                "final_pretrain_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4)
+                if losses
+                else None,
+                "heldout_loss": held,
+                "loop_rate": looping["loop_rate"],
+                "loop_rate_per_workload": looping["per_workload"],
+                "loop_definition": "last 48 of 128 greedy tokens periodic with period <= 8",
+                "continuations": looping["continuations"],
+                "seconds": {"pretrain": round(t_train, 1), "total": round(time.time() - t0, 1)},
                 "mask_token_id": tokenizer.mask_token_id,
                 "tokenizer_size": len(tokenizer),
             },
@@ -296,9 +470,10 @@ def _build_into(out: Path, settings: dict, key: str, log) -> None:
         )
     )
     (tmp / ".build_key").write_text(key)
+    pretrained.unlink()
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    log(f"tiny target: saved to {out}")
+    log(f"tiny target: saved to {out} ({time.time() - t0:.0f} s)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -308,7 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=1024, help="BPE vocabulary (before padding)")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--pretrain-steps", type=int, default=300)
+    ap.add_argument(
+        "--pretrain-steps", type=int, default=None, help=f"default by arch: {PRETRAIN_STEPS}"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="rebuild even if cached")
     a = ap.parse_args(argv)
