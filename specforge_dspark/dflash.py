@@ -42,8 +42,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from specforge_dspark.draft_io import context_features, load_checked, read_config, save_layout
 from specforge_dspark.draft_layers import DecoderLayer, RMSNorm, rope_tables
-from specforge_dspark.model import build_visibility_mask
+from specforge_dspark.model import _plain, build_visibility_mask
 
 if TYPE_CHECKING:
     from specforge_dspark.recipe import DraftRecipe
@@ -203,10 +204,6 @@ class DFlashConfig:
         }
 
 
-def _plain(value: Any) -> Any:
-    return list(value) if isinstance(value, list) else value
-
-
 # --------------------------------------------------------------------------- masks
 
 
@@ -261,12 +258,7 @@ class DFlashDraft(nn.Module):
 
     def context(self, aux_hidden_BSD: torch.Tensor) -> torch.Tensor:
         """Shared context features `[B, S, H]` = hidden_norm(fc(aux)), D = m*H."""
-        if aux_hidden_BSD.shape[-1] != self.fc.in_features:
-            raise ValueError(
-                f"aux_hidden has {aux_hidden_BSD.shape[-1]} features, expected "
-                f"{self.fc.in_features} = len(target_layer_ids) * hidden_size"
-            )
-        return self.hidden_norm(self.fc(aux_hidden_BSD.to(self.fc.weight.dtype)))
+        return context_features(self.fc, self.hidden_norm, aux_hidden_BSD)
 
     def masks(
         self, anchors_BN: torch.Tensor, block_valid_BN: torch.Tensor, ctx_valid_BS: torch.Tensor
@@ -342,16 +334,7 @@ class DFlashDraft(nn.Module):
 
     def save_pretrained(self, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
         """SGLang DFLASH layout: config.json + model.safetensors."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        tensors = {
-            k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()
-        }
-        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-        config = {**self.config.to_dict(), "dtype": str(dtype).removeprefix("torch.")}
-        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_layout(self, self.config.to_dict(), path, dtype)
 
     @classmethod
     def from_pretrained(
@@ -359,26 +342,10 @@ class DFlashDraft(nn.Module):
     ) -> DFlashDraft:
         """Load a SGLang DFLASH directory; a leading "model." is stripped, rotary caches are
         skipped, any other unknown name or wrong shape raises ValueError naming it."""
-        from safetensors.torch import load_file
-
-        path = Path(path)
-        config = DFlashConfig.from_dict(json.loads((path / "config.json").read_text()))
+        config = DFlashConfig.from_dict(read_config(path))
         with torch.device("meta"):
             model = cls(config)
-        expected = {k: v.shape for k, v in model.state_dict().items()}
-        state = {}
-        for name, tensor in load_file(str(path / "model.safetensors")).items():
-            name = name.removeprefix("model.")
-            if name.startswith("rotary_emb."):
-                continue
-            if expected.get(name) != tensor.shape:
-                raise ValueError(f"{path}: unexpected tensor {name} {tuple(tensor.shape)}")
-            state[name] = tensor.to(device, dtype)
-        missing = sorted(set(expected) - set(state))
-        if missing:
-            raise ValueError(f"{path}: missing tensors {missing}")
-        model.load_state_dict(state, assign=True)
-        return model
+        return load_checked(model, path, ("rotary_emb.",), device, dtype)
 
 
 def is_dflash_dir(path: str | Path) -> bool:

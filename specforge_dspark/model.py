@@ -41,7 +41,6 @@ Shape legend:
 from __future__ import annotations
 
 import dataclasses
-import json
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
+from specforge_dspark.draft_io import context_features, load_checked, read_config, save_layout
 from specforge_dspark.draft_layers import (
     ConfidenceHead,
     DecoderLayer,
@@ -329,12 +329,7 @@ class DSparkDraft(nn.Module):
 
     def context(self, aux_hidden_BSD: torch.Tensor) -> torch.Tensor:
         """Shared context features `[B, S, H]` = hidden_norm(fc(aux)), D = m*H."""
-        if aux_hidden_BSD.shape[-1] != self.fc.in_features:
-            raise ValueError(
-                f"aux_hidden has {aux_hidden_BSD.shape[-1]} features, expected "
-                f"{self.fc.in_features} = len(target_layer_ids) * hidden_size"
-            )
-        return self.hidden_norm(self.fc(aux_hidden_BSD.to(self.fc.weight.dtype)))
+        return context_features(self.fc, self.hidden_norm, aux_hidden_BSD)
 
     def forward(
         self,
@@ -444,16 +439,7 @@ class DSparkDraft(nn.Module):
 
     def save_pretrained(self, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
         """SGLang layout: config.json + model.safetensors (no embedding, no LM head)."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        tensors = {
-            k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()
-        }
-        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-        config = {**self.config.to_dict(), "dtype": str(dtype).removeprefix("torch.")}
-        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_layout(self, self.config.to_dict(), path, dtype)
 
     @classmethod
     def from_pretrained(
@@ -465,28 +451,8 @@ class DSparkDraft(nn.Module):
         """Load a SGLang-layout drafter. Like SGLang, a leading "model." is stripped and
         embed_tokens / lm_head / rotary tensors are skipped; any other name or shape that
         does not fit raises ValueError naming it."""
-        from safetensors.torch import load_file
-
-        path = Path(path)
-        config = DSparkConfig.from_dict(json.loads((path / "config.json").read_text()))
+        config = DSparkConfig.from_dict(read_config(path))
         with torch.device("meta"):
             model = cls(config)
-        expected = {k: v.shape for k, v in model.state_dict().items()}
-        state = {}
-        for name, tensor in load_file(str(path / "model.safetensors")).items():
-            name = name.removeprefix("model.")
-            if name.startswith(("embed_tokens.", "lm_head.", "rotary_emb.")):
-                continue
-            if name not in expected:
-                raise ValueError(f"{path / 'model.safetensors'}: unexpected tensor {name}")
-            if tensor.shape != expected[name]:
-                raise ValueError(
-                    f"{path / 'model.safetensors'}: {name} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(expected[name])}"
-                )
-            state[name] = tensor.to(device, dtype)
-        missing = sorted(set(expected) - set(state))
-        if missing:
-            raise ValueError(f"{path / 'model.safetensors'}: missing tensors {missing}")
-        model.load_state_dict(state, assign=True)
-        return model
+        skip = ("embed_tokens.", "lm_head.", "rotary_emb.")  # the target's, or caches
+        return load_checked(model, path, skip, device, dtype)
