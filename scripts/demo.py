@@ -73,11 +73,13 @@ def _evaluate_part(workloads: tuple[str, ...], drafts: dict, kw: dict, part: int
     """One evaluation process: every drafter on `workloads`, sharing the greedy references."""
     import torch
 
-    from evaluation.acceptance import evaluate
+    from evaluation.acceptance import evaluate, greedy_references
     from evaluation.ngram import NgramDrafter
 
     torch.set_num_threads(1)
-    references: dict = {}
+    references = greedy_references(  # batched; each checked again where it differs
+        kw["target_path"], list(workloads), kw["num_prompts"], kw["max_new_tokens"]
+    )
     out = {}
     for name in DRAFTERS:
         draft = drafts[name]
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--regen-rows", type=int, default=600, help="training prompts regenerated")
     ap.add_argument("--regen-batch", type=int, default=60)
-    ap.add_argument("--regen-max-new-tokens", type=int, default=256)
+    ap.add_argument("--regen-max-new-tokens", type=int, default=160)
     ap.add_argument("overrides", nargs="*", help="extra recipe overrides")
     a = ap.parse_args(argv)
     os.chdir(REPO)

@@ -448,3 +448,27 @@ def test_cli_on_an_exported_draft(target, tiny_target_dir, tmp_path):
     (draft_dir / "config.json").write_text(json.dumps({**config, "num_target_layers": 6}))
     with pytest.raises(ValueError, match="num_target_layers=6, but the target has 4"):
         main(["--target", str(tiny_target_dir), "--draft", str(draft_dir), "--out", str(out)])
+
+
+def test_batched_references_match_and_a_wrong_one_is_redone_one_by_one(
+    tiny_target_dir, tmp_path, shared_data
+):
+    from evaluation.acceptance import greedy_references
+    from evaluation.ngram import NgramDrafter
+
+    data = shared_data / "eval"
+    refs = greedy_references(tiny_target_dir, ["mt_bench"], 2, 16, data_dir=data)
+    assert len(refs) == 4  # 2 conversations x 2 turns; turn 2 follows the batched answers
+    key = next(iter(refs))
+    good = refs[key][0]
+    refs[key] = ([t + 1 for t in good], None)  # a wrong batched reference
+    logs: list[str] = []
+    summary = evaluate(tiny_target_dir, NgramDrafter(3), ["mt_bench"], num_prompts=2,
+                       max_new_tokens=16, out_dir=tmp_path, data_dir=data, references=refs,
+                       log=logs.append)  # fmt: skip
+    assert summary["overall"]["lossless"] is True
+    assert len(refs) == 4, "every prompt the evaluation built was in the batched cache"
+    assert refs[key][0] == good and refs[key][1] is not None  # decoded one by one again
+    # only the corrupted entry was redone: the batches equal one-by-one greedy decoding
+    assert sum("batched reference differed" in m for m in logs) == 1
+    assert summary["workloads"]["mt_bench"]["speedup"] is None  # batched: not timed
