@@ -52,7 +52,7 @@ def test_chat_template_and_generation(tiny_target_dir):
         msgs[:1], add_generation_prompt=True, return_tensors="pt", return_dict=False
     )
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=12, do_sample=False)
+        out = model.generate(ids, max_new_tokens=32, do_sample=False)
     words = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert sum(c.isalpha() for c in words) > 10  # text-like after pre-training, not byte noise
 
@@ -91,7 +91,8 @@ def test_target_writes_without_looping(tiny_target_dir):
     assert info["loop_rate"] == pytest.approx(sum(r["loops"] for r in rows) / len(rows))
     assert info["loop_rate"] <= 0.20, f"the tiny target loops on {info['loop_rate']:.0%} of prompts"
     held = info["heldout_loss"]
-    assert {"gsm8k_test", "sharegpt", "mean"} <= set(held) and 0 < held["mean"] < 4.0
+    assert {"gsm8k_test_answers", "mt_bench_questions", "sharegpt_answers", "mean"} <= set(held)
+    assert 0 < held["gsm8k_test_answers"] < 3.0 and 0 < held["mean"] < 4.0
     model = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
     tok = AutoTokenizer.from_pretrained(tiny_target_dir)
     again = greedy_loop_rate(model, tok, num_prompts=1)["continuations"]

@@ -59,7 +59,7 @@ def test_tiny_dflash_trains_exports_and_beats_its_untrained_drafter(tmp_path, ti
     from tests.sglang_shim import import_sglang
 
     data = _regenerate(tmp_path / "regen.jsonl", 48, 64)
-    steps = 30
+    steps = 60
     _train(
         "recipes/tiny_cpu_dflash.yaml", tmp_path / "run", steps, 29741, "optim.lr=0.005",
         f"data.train_files=[{data}]", "data.format=messages", "data.eval_files=[]",
