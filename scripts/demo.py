@@ -108,7 +108,8 @@ def pool(parts: list[dict], eval_dir: Path) -> dict:
             units[(g["workload"], g["index"])] = (c + g["committed"], n + g["verify_steps"])
     (eval_dir / "generations.jsonl").write_text("".join(lines))
     G = parts[0]["block_size"]
-    plain = sum(v["seconds_plain"] for v in workloads.values())
+    plain_s = [v["seconds_plain"] for v in workloads.values()]
+    plain = None if None in plain_s else sum(plain_s)  # None: batched references, untimed
     spec = sum(v["seconds_spec"] for v in workloads.values())
     overall = {
         "steps": steps,
@@ -120,7 +121,7 @@ def pool(parts: list[dict], eval_dir: Path) -> dict:
             sum(v["per_position"][k] * v["steps"] for v in workloads.values()) / steps
             for k in range(G)
         ],
-        "speedup": plain / spec if spec else None,
+        "speedup": plain / spec if spec and plain is not None else None,
         "lossless": all(v["lossless"] for v in workloads.values()),
     }
     summary = {**parts[0], "workloads": workloads, "overall": overall}
