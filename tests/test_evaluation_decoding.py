@@ -31,7 +31,7 @@ LAYERS = [0, 2]
 G = 4
 QUESTIONS = [
     "Tom has 3 apples and buys 5 more. How many apples does he have?",
-    "Write a function that returns the sum of a list. " * 4,  # decoding crosses the window
+    "Write a function that returns the sum of a list. " * 5,  # decoding crosses the window
 ]
 PRIMES = ["He has 3 + 5 =", "He has 3 + 5 = <<3+5=8>>8"]  # the target then ends its turn
 
