@@ -282,16 +282,22 @@ def greedy_references(
 
 def _budgets(drafter, draft, cost: float | None, sts_path) -> dict:
     """{"uncalibrated": VerifyBudget, "calibrated": VerifyBudget (when an STS file is
-    given or sits in the draft directory)} for a verify-token cost; {} without one."""
+    given or sits in the draft directory)} for a verify-token cost; {} without one.
+    Uncalibrated is the head as trained: a confidence-bias shift that calibration added
+    to the export (its safetensors metadata) is taken off again."""
     if cost is None:
         return {}
     from evaluation.budget import VerifyBudget
-    from evaluation.calibrate import STS_FILE, validate_sts_file
+    from evaluation.calibrate import STS_FILE, read_bias_shift, validate_sts_file
 
     G = int(drafter.config.block_size)
-    if sts_path is None and isinstance(draft, (str, Path)) and (Path(draft) / STS_FILE).is_file():
-        sts_path = Path(draft) / STS_FILE
-    out = {"uncalibrated": VerifyBudget(G, cost)}
+    shift = 0.0
+    if isinstance(draft, (str, Path)):
+        if (Path(draft) / "model.safetensors").is_file():
+            shift = read_bias_shift(draft)
+        if sts_path is None and (Path(draft) / STS_FILE).is_file():
+            sts_path = Path(draft) / STS_FILE
+    out = {"uncalibrated": VerifyBudget(G, cost, logit_offset=-shift)}
     if sts_path is not None:
         out["calibrated"] = VerifyBudget(G, cost, validate_sts_file(Path(sts_path), G))
     return out

@@ -28,12 +28,15 @@ SURVIVAL_EPS = 1e-6  # DSparkScheduleConfig.survival_eps
 SGLANG_LAG_STEPS = 2  # SGLANG_DSPARK_CONFIDENCE_RELAY_LAG_STEPS default
 
 
-def survival(raw_logits: list[float], temperatures: list[float] | None = None) -> list[float]:
-    """Cumulative product of sigmoid(raw_k / T_k) (DSparkConfidenceHead.apply_sts)."""
+def survival(
+    raw_logits: list[float], temperatures: list[float] | None = None, offset: float = 0.0
+) -> list[float]:
+    """Cumulative product of sigmoid((raw_k + offset) / T_k) (DSparkConfidenceHead.apply_sts;
+    `offset` undoes a calibration's confidence-bias shift for the uncalibrated budget)."""
     out, s = [], 1.0
     for k, z in enumerate(raw_logits):
         t = 1.0 if temperatures is None else temperatures[k]
-        s *= 1.0 / (1.0 + math.exp(-z / t))
+        s *= 1.0 / (1.0 + math.exp(-(z + offset) / t))
         out.append(s)
     return out
 
@@ -78,6 +81,7 @@ class VerifyBudget:
     block_size: int
     verify_token_cost: float
     temperatures: list[float] | None = None  # STS per position; None = uncalibrated
+    logit_offset: float = 0.0  # added to every raw logit (undoes a calibrated bias shift)
     lag_steps: int = SGLANG_LAG_STEPS
     _history: deque = field(default_factory=deque, repr=False)
 
@@ -96,7 +100,7 @@ class VerifyBudget:
     def drafts_to_verify(self, raw_logits: list[float]) -> int:
         if not raw_logits:  # no confidence head: SGLang refuses ragged verify; verify all
             return self.block_size
-        surv = survival(raw_logits, self.temperatures)
+        surv = survival(raw_logits, self.temperatures, self.logit_offset)
         lagged = self._history[0] if len(self._history) == self.lag_steps else None
         self._history.append(surv)
         if len(self._history) > self.lag_steps:

@@ -7,19 +7,30 @@
    verify step, the G raw confidence logits z_k and the accepted count n (what SGLang's
    `StsDataRecorder` records: logits and the prefix mask k < n).
 2. Conversations alternate between a fit split (even index) and an evaluation split (odd).
-3. Fit, position by position (sequentially): T_k minimises the BCE of sigmoid(z_k / T_k)
-   against "draft k accepted" (n > k) over the fit steps that reached position k
-   (n >= k), the conditional acceptance the head is trained on. SGLang divides the logits
-   by T_k (`DSparkConfidenceHead.apply_sts`) and multiplies the calibrated conditionals
-   into the survival its verify budget ranks. Temperature scaling has no offset: a head
-   whose logits sit near 0 where acceptance is far from 1/2 stays off there (the
-   per-position table shows it).
-4. On the evaluation split: per-position ECE, Brier score and AUROC of the survival before
-   (T = 1) and after, and the pooled conditional calibration of metrics.py.
+3. Fit on the fit split, against "draft k accepted" (n > k) over the steps that reached
+   position k (n >= k), the conditional acceptance the head is trained on:
+   - temperatures only (`fit_sts`): position by position, T_k minimises the BCE of
+     sigmoid(z_k / T_k). SGLang divides the logits by T_k
+     (`DSparkConfidenceHead.apply_sts`) and multiplies the calibrated conditionals into
+     the survival its verify budget ranks. Temperature scaling has no offset: a head that
+     is overconfident at every confidence (a drafter accepted less on new prompts than
+     on its training data) stays so;
+   - temperatures and one shared logit offset (`fit_sts_offset`): sigmoid((z_k + d) / T_k),
+     all G + 1 parameters by one BCE over every position. SGLang serves it unchanged when
+     d is added to the export's `confidence_head.proj.bias` (the head is one linear
+     layer) and the T_k are the STS file; only the confidence changes, never a drafted
+     token. This is what --export applies (`--no-offset`: temperatures only); without
+     --export the file alone is written, from the temperature-only fit.
+4. On the evaluation split: per-position ECE, Brier score and AUROC before (T = 1) and
+   after, of the conditional c_k and of the survival, the pooled conditional calibration
+   of metrics.py, for the applied fit (`after`) and for the temperature-only fit
+   (`after_temperature_only`).
 Writes DIR/sts_calibration.json (a `DSparkStsCalibration`, validated by loading it with
 SGLang's own loader; serve with `--speculative-dspark-confidence-sts-path`),
 calibration.json (the full report), calibration.md and calibration.png; --export also
-copies the JSON into that export directory.
+copies the JSON into that export directory and adds the offset to its confidence bias
+(recorded in the safetensors metadata as `confidence_bias_shift`, accumulated over
+repeated calibrations).
 """
 
 from __future__ import annotations
@@ -38,6 +49,10 @@ from evaluation.spec_decode import Step, speculative_generate
 
 STS_FILE = "sts_calibration.json"
 T_MIN, T_MAX = 0.02, 50.0
+
+
+BIAS_KEY = "confidence_head.proj.bias"
+SHIFT_META = "confidence_bias_shift"
 
 
 def _survival_NG(z_NG: torch.Tensor, temps_G: torch.Tensor) -> torch.Tensor:
@@ -81,6 +96,38 @@ def fit_sts(z_NG: torch.Tensor, n_N: torch.Tensor) -> list[float]:
     return temps
 
 
+def fit_sts_offset(z_NG: torch.Tensor, n_N: torch.Tensor) -> tuple[list[float], float]:
+    """Temperatures T_k and one shared logit offset d (step 3 of the module docstring):
+    minimise the mean BCE of sigmoid((z_k + d) / T_k) over every (step, k) pair with
+    n >= k, label n > k, by L-BFGS on (log T, d) from (0, 0). Temperatures are clamped to
+    [T_MIN, T_MAX]; a position no step reached keeps T = 1 (no gradient reaches it).
+    """
+    z = z_NG.double()
+    G = z.shape[1]
+    k_G = torch.arange(G)
+    pairs_NG = k_G[None] <= n_N[:, None]
+    y_NG = (k_G[None] < n_N[:, None]).double()
+    if not bool(pairs_NG.any()):
+        return [1.0] * G, 0.0
+    params = torch.zeros(G + 1, dtype=torch.float64, requires_grad=True)  # log T_k, d
+    opt = torch.optim.LBFGS([params], max_iter=200, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        log_t = params[:G].clamp(math.log(T_MIN), math.log(T_MAX))
+        logit_NG = (z + params[G]) * torch.exp(-log_t)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            logit_NG[pairs_NG], y_NG[pairs_NG]
+        )
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    p = params.detach()
+    temps = p[:G].clamp(math.log(T_MIN), math.log(T_MAX)).exp().tolist()
+    return temps, float(p[G])
+
+
 def _arrays(steps: list[Step]) -> tuple[torch.Tensor, torch.Tensor]:
     steps = [s for s in steps if s.confidence_logits]
     G = len(steps[0].confidence_logits) if steps else 0
@@ -99,12 +146,15 @@ def _conditional(z_NG: torch.Tensor, n_N: torch.Tensor, temps: list[float]) -> d
     return calibration_summary(conf, label)
 
 
-def evaluate_sts(z_NG: torch.Tensor, n_N: torch.Tensor, temps: list[float]) -> dict:
-    """Calibration at `temps`: `per_position` (conditional: sigmoid(z_k / T_k) on the
-    steps that reached k, against n > k; what T_k is fit to, and the STS file's ECE),
+def evaluate_sts(
+    z_NG: torch.Tensor, n_N: torch.Tensor, temps: list[float], shift: float = 0.0
+) -> dict:
+    """Calibration of sigmoid((z_k + shift) / T_k): `per_position` (conditional, on the
+    steps that reached k, against n > k; what the fit minimises, and the STS file's ECE),
     `survival` (per position, s_k against n > k on every step) and `conditional` (pooled
     over positions, the acceptance report's figure)."""
     t_G = torch.tensor(temps, dtype=torch.float64)
+    z_NG = z_NG + shift
     c_NG = torch.sigmoid(z_NG / t_G)
     per_position = []
     for k in range(z_NG.shape[1]):
@@ -118,6 +168,48 @@ def evaluate_sts(z_NG: torch.Tensor, n_N: torch.Tensor, temps: list[float]) -> d
         "survival": survival_calibration(surv, n_N.tolist()),
         "conditional": _conditional(z_NG, n_N, temps),
     }
+
+
+def read_bias_shift(export_dir: str | Path) -> float:
+    """The confidence-bias offset calibrations have added to an export (0.0 if none)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(export_dir) / "model.safetensors"), "pt") as f:
+        return float((f.metadata() or {}).get(SHIFT_META, 0.0))
+
+
+def _check_same_head(draft: Path, export_dir: Path) -> None:
+    """The offset is fit on `draft`'s logits: `export_dir` must hold the same head."""
+    from safetensors import safe_open
+
+    if draft.resolve() == export_dir.resolve():
+        return
+    heads = []
+    for d in (draft, export_dir):
+        with safe_open(str(d / "model.safetensors"), "pt") as f:
+            heads.append([f.get_tensor(k) for k in (BIAS_KEY, "confidence_head.proj.weight")])
+    if not all(torch.equal(a, b) for a, b in zip(*heads, strict=True)):
+        raise ValueError(
+            f"--export {export_dir}: its confidence head differs from --draft {draft}'s; the "
+            "bias offset fit on one cannot be applied to the other (use --no-offset)"
+        )
+
+
+def shift_confidence_bias(export_dir: Path, shift: float) -> float:
+    """Add `shift` to EXPORT/model.safetensors' confidence bias (atomic rewrite, other
+    tensors byte-identical); returns the accumulated shift now recorded in its metadata."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(export_dir) / "model.safetensors"
+    tensors = load_file(str(path))
+    if BIAS_KEY not in tensors:
+        raise ValueError(f"{path}: no {BIAS_KEY} to shift (export without a confidence bias)")
+    total = read_bias_shift(export_dir) + shift
+    tensors[BIAS_KEY] = tensors[BIAS_KEY] + torch.tensor(shift, dtype=tensors[BIAS_KEY].dtype)
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt", SHIFT_META: repr(total)})
+    tmp.replace(path)
+    return total
 
 
 def collect_steps(
@@ -228,8 +320,11 @@ def calibrate(
     data_dir: str | Path | None = None,
     device: str = "cpu",
     log: Callable[[str], None] = print,
+    offset: bool = True,
 ) -> dict:
-    """Fit STS on held-out prompts and write DIR/sts_calibration.json; returns the report."""
+    """Fit STS on held-out prompts and write DIR/sts_calibration.json; with `export_dir`
+    also calibrate that export in place (and, with `offset`, shift its confidence bias).
+    Returns the report."""
     from evaluation.acceptance import check_pair, head_fns, load_drafter
     from evaluation.prompts import parse_workload
     from evaluation.sampling import SamplingTarget
@@ -253,9 +348,14 @@ def calibrate(
     z_fit, n_fit = _arrays(fit)
     z_eval, n_eval = _arrays(held)
     save_recorded(out / "sts_data.pt", z_fit, n_fit, z_eval, n_eval)
-    temps = fit_sts(z_fit, n_fit)
+    temps_only = fit_sts(z_fit, n_fit)
     before = evaluate_sts(z_eval, n_eval, [1.0] * G)
-    after = evaluate_sts(z_eval, n_eval, temps)
+    after_temps_only = evaluate_sts(z_eval, n_eval, temps_only)
+    temps, shift = temps_only, 0.0
+    if offset and export_dir is not None:
+        _check_same_head(Path(draft), Path(export_dir))
+        temps, shift = fit_sts_offset(z_fit, n_fit)
+    after = evaluate_sts(z_eval, n_eval, temps, shift)
     dataset = ",".join(w.name for w in parsed)
     sts_path = out / STS_FILE
     write_sts_file(sts_path, temps, dataset, len(n_fit), _ece_list(before), _ece_list(after))
@@ -272,20 +372,27 @@ def calibrate(
         "fit_steps": len(n_fit),
         "eval_steps": len(n_eval),
         "temperatures": temps,
+        "bias_shift": shift,
+        "temperatures_only": temps_only,
         "before": before,
         "after": after,
+        "after_temperature_only": after_temps_only,
         "sts_file": str(sts_path),
     }
     if export_dir is not None:
         report["export_sts_file"] = str(copy_into_export(sts_path, Path(export_dir)))
+        if shift:
+            report["export_bias_shift_total"] = shift_confidence_bias(Path(export_dir), shift)
     (out / "calibration.json").write_text(json.dumps(report, indent=1))
     write_markdown(report, out / "calibration.md")
     write_plot(report, out / "calibration.png")
     pooled_b, pooled_a = before["conditional"]["ece"], after["conditional"]["ece"]
+    pooled_t = after_temps_only["conditional"]["ece"]
     log(
-        f"STS temperatures {[round(t, 3) for t in temps]}; held-out ECE per position "
-        f"{_fmt_list(_ece_list(before))} -> {_fmt_list(_ece_list(after))}; conditional ECE "
-        f"{_fmt(pooled_b)} -> {_fmt(pooled_a)} ({len(n_fit)} fit / {len(n_eval)} eval steps) "
+        f"STS temperatures {[round(t, 3) for t in temps]}, confidence bias shift {shift:+.3f}; "
+        f"held-out ECE per position {_fmt_eces(before)} -> {_fmt_eces(after)}; "
+        f"conditional ECE {_fmt(pooled_b)} -> {_fmt(pooled_a)} "
+        f"(temperatures only: {_fmt(pooled_t)}; {len(n_fit)} fit / {len(n_eval)} eval steps) "
         f"-> {sts_path}"
     )
     return report
@@ -303,9 +410,10 @@ def calibrate_export(
     data_dir: str | Path | None = None,
     device: str = "cpu",
     log: Callable[[str], None] = print,
+    offset: bool = True,
 ) -> dict:
-    """Calibrate an SGLang-layout export in place: EXPORT/sts_calibration.json, the
-    report in `out_dir` (default EXPORT/../calibration)."""
+    """Calibrate an SGLang-layout export in place: EXPORT/sts_calibration.json (and, with
+    `offset`, its confidence bias), the report in `out_dir` (default EXPORT/../calibration)."""
     export_dir = Path(export_dir)
     out = Path(out_dir) if out_dir is not None else export_dir.parent / "calibration"
     return calibrate(
@@ -321,11 +429,17 @@ def calibrate_export(
         data_dir=data_dir,
         device=device,
         log=log,
+        offset=offset,
     )
 
 
 def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.3f}"
+
+
+def _fmt_eces(report: dict) -> str:
+    """Per-position ECE; n/a where no held-out step reached the position."""
+    return "[" + ", ".join(_fmt(p["ece"]) for p in report["per_position"]) + "]"
 
 
 def _fmt_list(xs: list[float]) -> str:
@@ -342,7 +456,11 @@ def write_markdown(report: dict, path: Path) -> None:
         f"max {report['max_new_tokens']} new tokens, temperature {report['temperature']}",
         f"- fit on {report['fit_steps']} verify steps (even conversations), evaluated on "
         f"{report['eval_steps']} held-out steps (odd conversations)",
-        f"- temperatures: {_fmt_list(report['temperatures'])} -> `{report['sts_file']}`",
+        f"- temperatures: {_fmt_list(report['temperatures'])} -> `{report['sts_file']}`; "
+        f"confidence bias shift {report['bias_shift']:+.4f} (added to the export's "
+        f"`{BIAS_KEY}`)",
+        f"- temperatures-only fit: {_fmt_list(report['temperatures_only'])}, held-out pooled "
+        f"conditional ECE {_fmt(report['after_temperature_only']['conditional']['ece'])}",
     ]
     for key, title in (
         ("per_position", "conditional c_k = sigmoid(z_k / T_k) on steps that reached k"),
@@ -384,7 +502,7 @@ def write_plot(report: dict, path: Path) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4.5))
     ax1.plot([0, 1], [0, 1], color="grey", lw=1)
-    for name, style in (("before", "o--"), ("after", "o-")):
+    for name, style in (("before", "o--"), ("after_temperature_only", "s:"), ("after", "o-")):
         bins = report[name]["conditional"]["bins"]
         ax1.plot(
             [b["confidence"] for b in bins],
@@ -426,6 +544,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data-dir", type=Path, default=None)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--no-offset",
+        action="store_true",
+        help="with --export: temperatures only, leave the export's confidence bias as it is",
+    )
     a = ap.parse_args(argv)
     calibrate(
         a.target,
@@ -439,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         a.seed,
         a.data_dir,
         a.device,
+        offset=not a.no_offset,
     )
     return 0
 

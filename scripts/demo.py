@@ -44,7 +44,8 @@ PROMPT_MIX = (
 TRAIN_EXTRAS = (
     "train.served_eval.num_prompts=8",
     "train.served_eval.max_new_tokens=64",
-    "export.calibrate_prompts=8",
+    "export.calibrate_prompts=16",
+    "export.calibrate_workloads=[gsm8k,math500,humaneval,mt_bench]",
 )
 
 
@@ -161,6 +162,45 @@ def brief(res: dict) -> dict:
     }
 
 
+def fresh_for_target(out: Path, target: Path) -> None:
+    """The regenerated data and the run belong to one target: when the target's weights
+    are not the ones `out` was made with (a rebuild, another thread count), start `out`
+    afresh instead of resuming on another target's answers."""
+    import shutil
+
+    from specforge_dspark.checkpoint import _weight_file_digest
+
+    digest = {p.name: _weight_file_digest(p) for p in sorted(target.glob("*.safetensors"))}
+    stamp = out / "target_weights.json"
+    if stamp.is_file() or (out / "data" / "mix_regenerated.jsonl").is_file():  # a demo's
+        if not stamp.is_file() or json.loads(stamp.read_text()) != digest:
+            print(f"{out}: made with other target weights than {target}'s; starting it afresh")
+            shutil.rmtree(out)
+    elif out.is_dir() and any(out.iterdir()):
+        raise SystemExit(f"--out {out}: not empty and not a demo's output; choose another")
+    out.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(json.dumps(digest))
+
+
+def calibration_brief(cal_dir: Path) -> dict | None:
+    """The held-out figures of the export's calibration (evaluation/calibrate.py)."""
+    path = cal_dir / "calibration.json"
+    if not path.is_file():
+        return None
+    r = json.loads(path.read_text())
+    return {
+        "report": str(path),
+        "temperatures": r["temperatures"],
+        "bias_shift": r.get("bias_shift", 0.0),
+        "eval_steps": r["eval_steps"],
+        "ece_before": r["before"]["conditional"]["ece"],
+        "ece_after": r["after"]["conditional"]["ece"],
+        "ece_after_temperature_only": r["after_temperature_only"]["conditional"]["ece"],
+        "ece_per_position_before": [p["ece"] for p in r["before"]["per_position"]],
+        "ece_per_position_after": [p["ece"] for p in r["after"]["per_position"]],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe", default="recipes/tiny_cpu.yaml")
@@ -196,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         f"({', '.join(f'{k} {v:.3f}' for k, v in info['heldout_loss'].items() if k != 'mean')}); "
         f"greedy loop rate {info['loop_rate']:.3f} ({info['loop_definition']})"
     )
+
+    fresh_for_target(out, target)
 
     step("2/4 on-policy data: the target answers the training prompts")
     t = time.time()
@@ -280,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             "heldout_loss": info["heldout_loss"]["mean"],
             "heldout_loss_by_set": info["heldout_loss"],
         },
+        "calibration": calibration_brief(resolved_dirs(recipe)["export"].parent / "calibration"),
         "export_dirs": [str(p) for p in export_dirs],
         "target_dir": str(Path(recipe.target.path)),
         "eval_dirs": [str(out / f"eval_{name}") for name in DRAFTERS],

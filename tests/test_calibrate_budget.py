@@ -1,21 +1,32 @@
 """STS calibration (evaluation/calibrate.py) and the confidence verify budget
-(evaluation/budget.py) on synthetic steps: the fit recovers a known temperature, the
-file loads with SGLang's own class, and the budget follows SGLang's rule."""
+(evaluation/budget.py) on synthetic steps: the fits recover known temperatures (and a
+known logit offset), the file loads with SGLang's own class, the export's confidence bias
+is shifted exactly, and the budget follows SGLang's rule."""
 
 from __future__ import annotations
 
 import torch
 
 from evaluation.budget import VerifyBudget, budget_from_survival, survival, verify_drafts
-from evaluation.calibrate import evaluate_sts, fit_sts, validate_sts_file, write_sts_file
+from evaluation.calibrate import (
+    BIAS_KEY,
+    evaluate_sts,
+    fit_sts,
+    fit_sts_offset,
+    read_bias_shift,
+    shift_confidence_bias,
+    validate_sts_file,
+    write_sts_file,
+)
 
 
-def _synthetic(n: int, true_t: list[float], seed: int):
-    """Steps whose acceptance at slot k is sigmoid(z_k / true_t[k]) given the prefix."""
+def _synthetic(n: int, true_t: list[float], seed: int, true_d: float = 0.0):
+    """Steps whose acceptance at slot k is sigmoid((z_k + true_d) / true_t[k]) given the
+    prefix."""
     g = torch.Generator().manual_seed(seed)
     z = torch.randn(n, len(true_t), generator=g, dtype=torch.float64) * 3 + 1
     acc = torch.rand(n, len(true_t), generator=g, dtype=torch.float64) < torch.sigmoid(
-        z / torch.tensor(true_t, dtype=torch.float64)
+        (z + true_d) / torch.tensor(true_t, dtype=torch.float64)
     )
     return z, acc.long().cumprod(1).sum(1)
 
@@ -30,6 +41,47 @@ def test_sts_recovers_temperatures_and_halves_ece():
     assert after["conditional"]["ece"] <= 0.5 * before["conditional"]["ece"]
     for b, a in zip(before["per_position"], after["per_position"], strict=True):
         assert a["ece"] <= 0.5 * b["ece"] and a["brier"] < b["brier"]
+
+
+def test_offset_fit_recovers_a_shift_that_temperatures_cannot_fix():
+    """A head overconfident at every confidence (true logit = z - 2): temperatures alone
+    leave most of the error, one shared offset plus temperatures recover both."""
+    true_t, true_d = [1.5, 0.7, 2.0], -2.0
+    z, n = _synthetic(20000, true_t, seed=2, true_d=true_d)
+    temps, d = fit_sts_offset(z, n)
+    assert abs(d - true_d) < 0.15, d
+    assert all(abs(t / w - 1) < 0.1 for t, w in zip(temps, true_t, strict=True)), temps
+    z2, n2 = _synthetic(20000, true_t, seed=3, true_d=true_d)
+    before = evaluate_sts(z2, n2, [1.0] * 3)
+    only_t = evaluate_sts(z2, n2, fit_sts(z, n))
+    both = evaluate_sts(z2, n2, temps, d)
+    ece = lambda r: r["conditional"]["ece"]  # noqa: E731
+    assert ece(both) <= 0.25 * ece(before) and ece(both) < 0.5 * ece(only_t)
+    assert both["conditional"]["brier"] < only_t["conditional"]["brier"]
+    # no offset in the data: the fit finds none and matches the temperature-only fit
+    z3, n3 = _synthetic(20000, true_t, seed=4)
+    temps3, d3 = fit_sts_offset(z3, n3)
+    assert abs(d3) < 0.1 and all(
+        abs(a / b - 1) < 0.05 for a, b in zip(temps3, fit_sts(z3, n3), strict=True)
+    )
+
+
+def test_bias_shift_rewrites_only_the_confidence_bias(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tensors = {BIAS_KEY: torch.tensor([0.25]), "confidence_head.proj.weight": torch.ones(1, 4)}
+    tensors["layers.0.w"] = torch.randn(3, 3)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    assert read_bias_shift(tmp_path) == 0.0
+    assert shift_confidence_bias(tmp_path, -0.5) == -0.5
+    assert shift_confidence_bias(tmp_path, 0.125) == -0.375  # accumulates
+    out = load_file(str(tmp_path / "model.safetensors"))
+    assert out[BIAS_KEY].item() == 0.25 - 0.5 + 0.125
+    assert torch.equal(out["layers.0.w"], tensors["layers.0.w"])
+    assert read_bias_shift(tmp_path) == -0.375
+    # the uncalibrated budget takes the shift off again
+    raw = [0.3, -0.2]
+    assert survival([z - 0.375 for z in raw]) == survival(raw, offset=-0.375)
 
 
 def test_sts_file_loads_with_sglangs_class(tmp_path):

@@ -1,0 +1,85 @@
+"""Calibration on the tiny Inkling target, end to end through train.py.
+
+A drafter trained on GSM8K reference answers (not the target's own outputs) is accepted
+less on held-out prompts than its confidence head says, at every confidence: the
+miscalibration a trained head shows. `export.calibrate_prompts` makes training calibrate
+the SGLang export by real speculative decoding: on the held-out split the pooled
+conditional ECE after calibration is at most half of before (issue 15's check), the STS
+file loads with SGLang's class, and the export differs from a fresh export of the same
+checkpoint only in the confidence bias, by exactly the recorded shift.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 150
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def calibrated_run(tmp_path_factory, tiny_target_dir) -> Path:
+    out = tmp_path_factory.mktemp("calibrate_tiny") / "run"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_port", "29741", "train.py", "--recipe", "recipes/tiny_cpu.yaml",
+        "--resume", "none", f"train.output_dir={out}", f"train.max_steps={STEPS}",
+        "train.eval_interval=0", f"checkpoint.save_interval={STEPS}",
+        "tracking.enabled=false", "export.formats=[sglang]",
+        "export.calibrate_prompts=12", "export.calibrate_workloads=[gsm8k,math500]",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "STS temperatures" in r.stdout + r.stderr
+    return out
+
+
+def test_calibration_halves_the_held_out_ece(calibrated_run):
+    report = json.loads((calibrated_run / "calibration" / "calibration.json").read_text())
+    before = report["before"]["conditional"]
+    after = report["after"]["conditional"]
+    only_t = report["after_temperature_only"]["conditional"]
+    assert report["eval_steps"] > 300 and before["pairs"] > 500, "too few steps to judge ECE"
+    assert before["ece"] > 0.1, f"the head is already calibrated ({before['ece']:.3f})"
+    assert after["ece"] <= 0.5 * before["ece"], (before["ece"], after["ece"], only_t["ece"])
+    assert after["brier"] < before["brier"]
+    # the offset is what temperatures alone cannot do on this head
+    assert report["bias_shift"] < 0, "the head is overconfident: the shift lowers it"
+    assert after["ece"] < only_t["ece"]
+
+
+def test_export_carries_the_sts_file_and_only_a_shifted_bias(calibrated_run, tmp_path):
+    from safetensors.torch import load_file
+
+    from evaluation.calibrate import BIAS_KEY, STS_FILE, read_bias_shift, validate_sts_file
+    from specforge_dspark.export import export_checkpoint
+
+    report = json.loads((calibrated_run / "calibration" / "calibration.json").read_text())
+    export = calibrated_run / "export" / "sglang"
+    assert validate_sts_file(export / STS_FILE, 5) == report["temperatures"]
+    assert (export / STS_FILE).read_bytes() == (
+        calibrated_run / "calibration" / STS_FILE
+    ).read_bytes()
+    assert read_bias_shift(export) == report["bias_shift"]
+
+    fresh = export_checkpoint(calibrated_run / "ckpt" / f"step-{STEPS}", "sglang", tmp_path / "x")
+    got, want = (
+        load_file(str(export / "model.safetensors")),
+        load_file(str(fresh / "model.safetensors")),
+    )
+    assert got.keys() == want.keys()
+    for k in want:
+        if k != BIAS_KEY:
+            assert torch.equal(got[k], want[k]), k
+    shift = torch.tensor(report["bias_shift"], dtype=want[BIAS_KEY].dtype)
+    assert torch.equal(got[BIAS_KEY], want[BIAS_KEY] + shift)
