@@ -332,6 +332,12 @@ def calibrate(
 
     if num_prompts < 2:
         raise ValueError(f"--num-prompts must be >= 2 (a fit and an eval split), got {num_prompts}")
+    if export_dir is not None:  # before minutes of decoding
+        for name in ("config.json", "model.safetensors"):
+            if not (Path(export_dir) / name).is_file():
+                raise ValueError(f"--export {export_dir}: not an export directory (no {name})")
+        if offset:
+            _check_same_head(Path(draft), Path(export_dir))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     parsed = [parse_workload(w, Path(data_dir) if data_dir else None) for w in workloads]
@@ -353,7 +359,6 @@ def calibrate(
     after_temps_only = evaluate_sts(z_eval, n_eval, temps_only)
     temps, shift = temps_only, 0.0
     if offset and export_dir is not None:
-        _check_same_head(Path(draft), Path(export_dir))
         temps, shift = fit_sts_offset(z_fit, n_fit)
     after = evaluate_sts(z_eval, n_eval, temps, shift)
     dataset = ",".join(w.name for w in parsed)
@@ -539,7 +544,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--export", type=Path, default=None, help="also copy the file here")
+    ap.add_argument(
+        "--export",
+        type=Path,
+        default=None,
+        help="calibrate this export in place: copy the file here and shift its confidence bias",
+    )
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data-dir", type=Path, default=None)

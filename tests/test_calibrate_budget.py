@@ -5,6 +5,7 @@ is shifted exactly, and the budget follows SGLang's rule."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from evaluation.budget import VerifyBudget, budget_from_survival, survival, verify_drafts
@@ -104,3 +105,27 @@ def test_budget_rule():
     assert [b.drafts_to_verify(low) for _ in range(3)] == [2, 2, 0]
     b.reset()
     assert b.drafts_to_verify(low) == 2
+
+
+def test_export_errors_come_before_any_decoding(tmp_path):
+    """A wrong --export fails at once, naming it (the target path does not even exist)."""
+    from safetensors.torch import save_file
+
+    from evaluation.calibrate import calibrate
+
+    def export(name: str, bias: float):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+        head = {BIAS_KEY: torch.tensor([bias]), "confidence_head.proj.weight": torch.ones(1, 4)}
+        save_file(head, str(d / "model.safetensors"))
+        return d
+
+    a, b = export("a", 0.0), export("b", 1.0)
+    kw = dict(workloads=["gsm8k"], num_prompts=4, max_new_tokens=8, out_dir=tmp_path / "out")
+    with pytest.raises(ValueError, match=r"--export .*empty: not an export directory \(no config"):
+        (tmp_path / "empty").mkdir()
+        calibrate("no-target", a, export_dir=tmp_path / "empty", **kw)
+    with pytest.raises(ValueError, match="its confidence head differs from --draft"):
+        calibrate("no-target", a, export_dir=b, **kw)
+    assert not (tmp_path / "out").exists(), "nothing written before the checks"
