@@ -80,9 +80,16 @@ def test_bias_shift_rewrites_only_the_confidence_bias(tmp_path):
     assert out[BIAS_KEY].item() == 0.25 - 0.5 + 0.125
     assert torch.equal(out["layers.0.w"], tensors["layers.0.w"])
     assert read_bias_shift(tmp_path) == -0.375
-    # the uncalibrated budget takes the shift off again
+    # the harness's uncalibrated budget takes the recorded shift off again
+    from types import SimpleNamespace
+
+    from evaluation.acceptance import _budgets
+
+    drafter = SimpleNamespace(config=SimpleNamespace(block_size=2))
+    budgets = _budgets(drafter, tmp_path, 0.1, None)
+    assert budgets["uncalibrated"].logit_offset == 0.375 and "calibrated" not in budgets
     raw = [0.3, -0.2]
-    assert survival([z - 0.375 for z in raw]) == survival(raw, offset=-0.375)
+    assert survival(raw, offset=0.375) == survival([z + 0.375 for z in raw])
 
 
 def test_sts_file_loads_with_sglangs_class(tmp_path):
