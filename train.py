@@ -53,10 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.dry_run:
         return dry_run(recipe, args.world_size)
-    from specforge_dspark.checkpoint import CheckpointWriteError, ResumeError
     from specforge_dspark.engines.features import TargetLost
-    from specforge_dspark.lifecycle import RunLockError
-    from specforge_dspark.nonfinite import NonFiniteError
+    from specforge_dspark.training.checkpoint import CheckpointWriteError, ResumeError
+    from specforge_dspark.training.lifecycle import RunLockError
+    from specforge_dspark.training.nonfinite import NonFiniteError
 
     where = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
     try:
@@ -83,8 +83,8 @@ EXIT_STOPPED = 143
 
 def dry_run(recipe: Recipe, world: int = 1) -> int:
     """Build the draft on the meta device and print what a real run would hold."""
-    from specforge_dspark.drafts import new_draft
-    from specforge_dspark.memory import report
+    from specforge_dspark.drafters.registry import new_draft
+    from specforge_dspark.training.memory import report
 
     with torch.device("meta"):
         draft = new_draft(recipe.draft)
@@ -208,11 +208,11 @@ def build(recipe: Recipe, resume: str | None) -> Run:
     import deepspeed
 
     from data_pipelines.prepare import prepare_dataset
-    from specforge_dspark import checkpoint
-    from specforge_dspark.drafts import new_draft
+    from specforge_dspark.drafters.dspark import DSparkDraft
+    from specforge_dspark.drafters.registry import new_draft
     from specforge_dspark.frozen_head import load_frozen_head
-    from specforge_dspark.lifecycle import acquire_run_lock
-    from specforge_dspark.model import DSparkDraft
+    from specforge_dspark.training import checkpoint
+    from specforge_dspark.training.lifecycle import acquire_run_lock
 
     rank, world, device = init_distributed(recipe)
     dirs = resolved_dirs(recipe)
@@ -253,13 +253,13 @@ def build(recipe: Recipe, resume: str | None) -> Run:
     head_dtype = torch.bfloat16 if recipe.target.dtype == "bfloat16" else torch.float32
     head = load_frozen_head(recipe.target.path, device=device, dtype=head_dtype)
     if recipe.draft.init_from and recipe.draft.kind == "dflash":
-        from specforge_dspark.dflash import DFlashConfig, DFlashDraft
+        from specforge_dspark.drafters.dflash import DFlashConfig, DFlashDraft
 
         draft = DFlashDraft.from_pretrained(recipe.draft.init_from)
         if draft.config != DFlashConfig.from_recipe(recipe.draft):
             raise ValueError(f"draft.init_from {recipe.draft.init_from}: config differs")
     elif recipe.draft.init_from:  # same slot, tap, layer ids, mask and vocab as this run
-        from specforge_dspark.export import check_conventions
+        from specforge_dspark.export.core import check_conventions
 
         check_conventions(recipe.draft.init_from, recipe)
         draft = DSparkDraft.from_pretrained(recipe.draft.init_from)
@@ -302,7 +302,7 @@ def build(recipe: Recipe, resume: str | None) -> Run:
 
 
 def _warn_if_no_skip(engine, recipe: Recipe, rank: int) -> None:
-    from specforge_dspark.nonfinite import skip_supported
+    from specforge_dspark.training.nonfinite import skip_supported
 
     precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
     if rank == 0 and not skip_supported(recipe.dist.zero_stage, precision):
@@ -396,7 +396,7 @@ def anchor_generator(run: Run, micro_step: int) -> torch.Generator:
 def objective(run: Run, feats, generator: torch.Generator):
     """The loss and metrics of one batch of features (objective.py; dflash_objective.py
     for draft.kind dflash)."""
-    from specforge_dspark.drafts import loss_fn
+    from specforge_dspark.drafters.registry import loss_fn
 
     f = feats.to(run.device)
     return loss_fn(run.recipe.draft.kind)(
@@ -416,7 +416,7 @@ def train_step(run: Run, feats, micro_step: int, guard):
     when this step's update is skipped (nonfinite.py: samples with non-finite features
     are masked out first; a non-finite loss on any rank makes every rank backpropagate a
     NaN surrogate instead, which DeepSpeed's overflow check turns into a skipped update)."""
-    from specforge_dspark.nonfinite import nan_loss
+    from specforge_dspark.training.nonfinite import nan_loss
 
     feats = guard.screen(feats.to(run.device), micro_step)
     out = objective(run, feats, anchor_generator(run, micro_step))
@@ -434,13 +434,13 @@ def eval_step(run: Run, feats, index: int) -> dict:
 
 def train(run: Run, stop_at_step: int = 0) -> str | None:
     """The loop; returns why it stopped early (a signal, the launcher's death) or None."""
-    from specforge_dspark import checkpoint
-    from specforge_dspark.export import export_checkpoint
-    from specforge_dspark.lifecycle import StopRequest, watch_launcher
-    from specforge_dspark.nonfinite import NonFiniteError, NonFiniteGuard
-    from specforge_dspark.served_eval import build_served_eval, served_accept_length
-    from specforge_dspark.stream import FeatureStream
-    from specforge_dspark.tracking import Tracker
+    from specforge_dspark.export.core import export_checkpoint
+    from specforge_dspark.training import checkpoint
+    from specforge_dspark.training.lifecycle import StopRequest, watch_launcher
+    from specforge_dspark.training.nonfinite import NonFiniteError, NonFiniteGuard
+    from specforge_dspark.training.served_eval import build_served_eval, served_accept_length
+    from specforge_dspark.training.stream import FeatureStream
+    from specforge_dspark.training.tracking import Tracker
 
     r, state, eng = run.recipe, run.state, run.engine
     tracker = Tracker(r, run.rank, run.total_steps, state.step, run.dirs["trackio"])

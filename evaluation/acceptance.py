@@ -22,18 +22,18 @@ from pathlib import Path
 
 import torch
 
-from evaluation.hf_target import CacheMode, HFTarget
 from evaluation.metrics import bootstrap_ci, step_stats
-from evaluation.prompts import (
+from evaluation.report import write_report
+from specforge_dspark.decoding.hf_target import CacheMode, HFTarget
+from specforge_dspark.decoding.prompts import (
     BUILTIN_WORKLOADS,
     Workload,
     load_conversations,
     parse_workload,
     render,
 )
-from evaluation.report import write_report
-from evaluation.sampling import SamplingTarget
-from evaluation.spec_decode import Drafter, Generation, Step, speculative_generate
+from specforge_dspark.decoding.sampling import SamplingTarget
+from specforge_dspark.decoding.spec_decode import Drafter, Generation, Step, speculative_generate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -44,14 +44,14 @@ class LosslessError(RuntimeError):
 
 def load_drafter(draft: str | Path | Drafter, device: str, dtype: torch.dtype) -> Drafter:
     """An exported SGLang-layout directory (config.json + model.safetensors), `ngram:G`
-    (the training-free prompt-lookup drafter of block size G, evaluation/ngram.py) or a
+    (the training-free prompt-lookup drafter of block size G, decoding/ngram.py) or a
     drafter."""
     if isinstance(draft, str) and draft.startswith("ngram:"):
-        from evaluation.ngram import NgramDrafter
+        from specforge_dspark.decoding.ngram import NgramDrafter
 
         return NgramDrafter(int(draft.removeprefix("ngram:")))
     if isinstance(draft, (str, Path)):
-        from specforge_dspark.model import DSparkDraft
+        from specforge_dspark.drafters.dspark import DSparkDraft
 
         draft = DSparkDraft.from_pretrained(Path(draft))
     if isinstance(draft, torch.nn.Module):
@@ -243,7 +243,7 @@ def greedy_references(
     on one-by-one greedy decoding. Entries carry no time (speedup is then not reported)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from evaluation.hf_target import eos_token_ids
+    from specforge_dspark.decoding.hf_target import batched_greedy, eos_token_ids
 
     tok = AutoTokenizer.from_pretrained(target_path)
     model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
@@ -261,20 +261,8 @@ def greedy_references(
             prompts = [render(tok, history[i]) for i in live]
             for b in range(0, len(live), batch_size):
                 chunk = prompts[b : b + batch_size]
-                width = max(map(len, chunk))
-                ids = torch.tensor([[pad] * (width - len(q)) + q for q in chunk])
-                mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in chunk])
-                new_BT = model.generate(
-                    ids,
-                    attention_mask=mask,
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    eos_token_id=sorted(eos),
-                    pad_token_id=pad,
-                )[:, width:].tolist()
-                for i, q, new in zip(live[b : b + batch_size], chunk, new_BT, strict=True):
-                    stop = next((k for k, t in enumerate(new) if t in eos), None)
-                    new = new[:max_new_tokens] if stop is None else new[: stop + 1]
+                news = batched_greedy(model, chunk, max_new_tokens, eos, pad)
+                for i, q, new in zip(live[b : b + batch_size], chunk, news, strict=True):
                     out[(tuple(q), max_new_tokens)] = (new, None)
                     history[i].append({"role": "assistant", "content": _answer_text(tok, new, eos)})
     return out
@@ -402,7 +390,7 @@ def evaluate(
         raise ValueError(f"--workloads: a workload name is given twice in {names}")
     is_export = isinstance(draft, Path) or isinstance(draft, str) and not draft.startswith("ngram:")
     if is_export:  # an export made for another target: refuse it
-        from specforge_dspark.export import check_conventions
+        from specforge_dspark.export.core import check_conventions
 
         check_conventions(draft, target_path=target_path)
     drafter = load_drafter(draft, device, DTYPES[dtype])

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from evaluation.metrics import calibration_summary, survival_calibration
-from evaluation.spec_decode import Step, speculative_generate
+from specforge_dspark.decoding.spec_decode import Step, speculative_generate
 
 STS_FILE = "sts_calibration.json"
 T_MIN, T_MAX = 0.02, 50.0
@@ -225,7 +225,7 @@ def collect_steps(
 ) -> tuple[list[Step], list[Step]]:
     """Decode every conversation (all drafts verified); returns (fit steps, eval steps)."""
     from evaluation.acceptance import _answer_text
-    from evaluation.prompts import load_conversations, render
+    from specforge_dspark.decoding.prompts import load_conversations, render
 
     gen = torch.Generator().manual_seed(seed)
     split: tuple[list[Step], list[Step]] = ([], [])
@@ -326,8 +326,8 @@ def calibrate(
     also calibrate that export in place (and, with `offset`, shift its confidence bias).
     Returns the report."""
     from evaluation.acceptance import check_pair, head_fns, load_drafter
-    from evaluation.prompts import parse_workload
-    from evaluation.sampling import SamplingTarget
+    from specforge_dspark.decoding.prompts import parse_workload
+    from specforge_dspark.decoding.sampling import SamplingTarget
     from specforge_dspark.frozen_head import load_frozen_head
 
     if num_prompts < 2:

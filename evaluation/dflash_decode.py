@@ -9,7 +9,7 @@ One verify step, with the bonus token b at position S (not yet in the target's c
   target:  forward [b, d_1..d_{G-1}] (G tokens) -> greedy t_0..t_{G-1}, t_j the token at S+j+1
   accept:  n = longest prefix with d_{j+1} == t_j (0 <= n <= G-1); commit t_0..t_n, keep
            b, d_1..d_n in the cache and their aux features as new context.
-DSpark (evaluation/spec_decode.py) drafts G tokens from all G rows and verifies G+1; here
+DSpark (decoding/spec_decode.py) drafts G tokens from all G rows and verifies G+1; here
 a block of the same G yields G-1 drafts. Accounting is spec_decode's (`Step`,
 `Generation`; accept length = sum(committed) / steps, SGLang's completion_tokens /
 spec_verify_ct without the prefill's token), and the output equals plain greedy exactly.
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from evaluation.hf_target import HFTarget
-from evaluation.spec_decode import Generation, Step, _cut
+from specforge_dspark.decoding.hf_target import HFTarget
+from specforge_dspark.decoding.spec_decode import Generation, Step, _cut
 
 
 @torch.inference_mode()
@@ -80,11 +80,11 @@ def dflash_generate(
 def generate_fn(drafter) -> Callable:
     """The decoding loop of a drafter's kind: `dflash_generate` for a DFlash drafter,
     `spec_decode.speculative_generate` (greedy) for a DSpark one."""
-    from specforge_dspark.dflash import DFlashDraft
+    from specforge_dspark.drafters.dflash import DFlashDraft
 
     if isinstance(drafter, DFlashDraft):
         return dflash_generate
-    from evaluation.spec_decode import speculative_generate
+    from specforge_dspark.decoding.spec_decode import speculative_generate
 
     return speculative_generate
 
@@ -100,7 +100,7 @@ def decode_prompts(
     directory of either kind, or a drafter), each checked against plain greedy; returns
     per prompt {committed, steps, accepted_hist} (accepted_hist[n]: steps accepting n)."""
     from evaluation.acceptance import check_lossless
-    from specforge_dspark.drafts import load_draft
+    from specforge_dspark.drafters.registry import load_draft
     from specforge_dspark.frozen_head import load_frozen_head
 
     drafter = load_draft(draft) if isinstance(draft, (str, Path)) else draft

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from evaluation.spec_decode import Step
+from specforge_dspark.decoding.spec_decode import Step
 
 ECE_BINS = 10
 

@@ -7,7 +7,7 @@ exported drafter, compared prompt by prompt with our harness.
 Starts `sglang.launch_server --speculative-algorithm DSPARK --speculative-draft-model-path
 EXPORT_DIR` for the target (SGLang's CPU engine on CPU, in fp32 where both are exact;
 engines/sglang_cpu.py has the hooks it needs there), sends every prompt greedily, and
-decodes the same prompts with evaluation.spec_decode. They agree when, on every prompt,
+decodes the same prompts with decoding.spec_decode. They agree when, on every prompt,
 the output tokens are equal, SGLang's verify count equals the harness's steps, and
 SGLang's accepted-draft histogram equals the harness's. Accept length is pooled over
 prompts the same way on both sides: sum(completion_tokens - 1) / sum(spec_verify_ct)
@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 
 from evaluation.acceptance import DTYPES, check_pair, head_fns, load_drafter
-from evaluation.hf_target import HFTarget
-from evaluation.prompts import load_conversations, parse_workload, render
-from evaluation.spec_decode import Generation, speculative_generate
+from specforge_dspark.decoding.hf_target import HFTarget
+from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
+from specforge_dspark.decoding.spec_decode import Generation, speculative_generate
 from specforge_dspark.engines.sglang import CPU_ENGINE_ARGS, ServerProcess, cli_flag
-from specforge_dspark.export import check_conventions
+from specforge_dspark.export.core import check_conventions
 
 START_TIMEOUT_S = 600.0
 

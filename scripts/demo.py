@@ -75,7 +75,7 @@ def _evaluate_part(workloads: tuple[str, ...], drafts: dict, kw: dict, part: int
     import torch
 
     from evaluation.acceptance import evaluate, greedy_references
-    from evaluation.ngram import NgramDrafter
+    from specforge_dspark.decoding.ngram import NgramDrafter
 
     torch.set_num_threads(1)
     references = greedy_references(  # batched; each checked again where it differs
@@ -168,7 +168,7 @@ def fresh_for_target(out: Path, target: Path) -> None:
     afresh instead of resuming on another target's answers."""
     import shutil
 
-    from specforge_dspark.checkpoint import _weight_file_digest
+    from specforge_dspark.training.checkpoint import _weight_file_digest
 
     digest = {p.name: _weight_file_digest(p) for p in sorted(target.glob("*.safetensors"))}
     stamp = out / "target_weights.json"
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    from specforge_dspark.model import DSparkConfig, DSparkDraft
+    from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
 
     untrained_dir = out / "untrained_draft"
     torch.manual_seed(recipe.train.seed)

@@ -41,7 +41,7 @@ import time
 import torch
 
 from specforge_dspark.recipe import recipe_from_dict
-from specforge_dspark.stream import FeatureStream
+from specforge_dspark.training.stream import FeatureStream
 from specforge_dspark.engines.sglang import launch_args, validate_launch_args
 
 model, layers, tp, port, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]

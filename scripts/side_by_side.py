@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from evaluation.dflash_decode import decode_prompts
-    from evaluation.prompts import load_conversations, parse_workload, render
-    from specforge_dspark.drafts import new_draft
+    from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
+    from specforge_dspark.drafters.registry import new_draft
     from specforge_dspark.recipe import load_recipe
     from specforge_dspark.tiny_target import build as build_tiny_target
 

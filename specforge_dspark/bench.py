@@ -29,7 +29,7 @@ import time
 
 BENCHES = {
     "objective": ("specforge_dspark.bench", "objective_main"),
-    "stream": ("specforge_dspark.stream", "bench_main"),
+    "stream": ("specforge_dspark.training.stream", "bench_main"),
     "prepare": ("data_pipelines.prepare", "bench_main"),
 }
 
@@ -135,7 +135,7 @@ def _objective_once(
     """Build random weights and features, warm up, time one forward+backward."""
     import torch
 
-    from specforge_dspark.drafts import loss_fn, new_draft
+    from specforge_dspark.drafters.registry import loss_fn, new_draft
     from specforge_dspark.frozen_head import FrozenHead
     from specforge_dspark.recipe import DraftRecipe, ObjectiveRecipe
 

@@ -28,7 +28,7 @@ from specforge_dspark.engines.features import (
 )
 from specforge_dspark.engines.offline import ShardWriter, target_fingerprint
 from specforge_dspark.recipe import Recipe, load_recipe
-from specforge_dspark.stream import FeatureStream
+from specforge_dspark.training.stream import FeatureStream
 
 
 def read_samples_jsonl(path: str | Path) -> Iterator[Sample]:

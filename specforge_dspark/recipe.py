@@ -177,7 +177,7 @@ class ServedEvalRecipe:
     num_prompts: int = 0
     """Held-out prompts decoded in all, split over the ranks (0 = off)."""
     workloads: list[str] = field(default_factory=lambda: ["gsm8k"])
-    """Built-in evaluation workloads or name=path:field (evaluation/prompts.py); first turns."""
+    """Built-in evaluation workloads or name=path:field (decoding/prompts.py); first turns."""
     max_new_tokens: int = 64
     max_seconds: float = 300.0
     """Per rank and evaluation: prompts not started by then are skipped (and counted)."""
@@ -201,7 +201,7 @@ class TrainRecipe:
     run, saving the last good state."""
     served_eval: ServedEvalRecipe = field(default_factory=lambda: ServedEvalRecipe())
     """Real speculative decoding with the hf target every eval_interval steps and at the
-    end (eval/accept_length); see specforge_dspark/served_eval.py."""
+    end (eval/accept_length); see specforge_dspark/training/served_eval.py."""
 
 
 @dataclass

@@ -328,30 +328,18 @@ def greedy_loop_rate(
     """Greedy continuations of the first `num_prompts` evaluation prompts of each workload
     (first turn), and the share that `loops`. Each workload's prompts are decoded as one
     left-padded batch (equal to one-by-one greedy decoding; the test checks it)."""
-    from evaluation.prompts import load_conversations, parse_workload, render
+    from specforge_dspark.decoding.hf_target import batched_greedy
+    from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
 
     gen_eos = model.generation_config.eos_token_id
     eos = set(gen_eos if isinstance(gen_eos, list) else [gen_eos]) | {tokenizer.eos_token_id}
     eos.discard(None)
-    pad = tokenizer.pad_token_id
     rows = []
     for w in workloads:
         convs = load_conversations(parse_workload(w), num_prompts)
         prompts = [render(tokenizer, [{"role": "user", "content": c.turns[0]}]) for c in convs]
-        width = max(map(len, prompts))
-        ids = torch.tensor([[pad] * (width - len(q)) + q for q in prompts])
-        mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in prompts])
-        out = model.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=sorted(eos),
-            pad_token_id=pad,
-        )[:, width:].tolist()
-        for conv, new in zip(convs, out, strict=True):
-            stop = next((i for i, t in enumerate(new) if t in eos), None)
-            new = new if stop is None else new[: stop + 1]
+        outs = batched_greedy(model, prompts, max_new_tokens, eos, tokenizer.pad_token_id)
+        for conv, new in zip(convs, outs, strict=True):
             rows.append(
                 {
                     "workload": w,

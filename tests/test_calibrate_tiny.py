@@ -64,7 +64,7 @@ def test_export_carries_the_sts_file_and_only_a_shifted_bias(calibrated_run, tmp
     from safetensors.torch import load_file
 
     from evaluation.calibrate import BIAS_KEY, STS_FILE, read_bias_shift, validate_sts_file
-    from specforge_dspark.export import export_checkpoint
+    from specforge_dspark.export.core import export_checkpoint
 
     report = json.loads((calibrated_run / "calibration" / "calibration.json").read_text())
     export = calibrated_run / "export" / "sglang"

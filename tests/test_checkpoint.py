@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from specforge_dspark import checkpoint as ck
 from specforge_dspark.recipe import recipe_from_dict
+from specforge_dspark.training import checkpoint as ck
 
 
 def _fake(root, step, complete=True):

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from specforge_dspark.dflash import DFlashConfig, DFlashDraft, build_dflash_masks
-from specforge_dspark.dflash_objective import compute_dflash_loss_at
+from specforge_dspark.drafters.dflash import DFlashConfig, DFlashDraft, build_dflash_masks
 from specforge_dspark.frozen_head import FrozenHead
+from specforge_dspark.objective.dflash import compute_dflash_loss_at
 from specforge_dspark.recipe import ObjectiveRecipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")

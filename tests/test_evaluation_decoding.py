@@ -17,13 +17,13 @@ import torch
 
 from evaluation import acceptance
 from evaluation.acceptance import LosslessError, evaluate, head_fns, main, run_workload
-from evaluation.hf_target import HFTarget
 from evaluation.metrics import step_stats
-from evaluation.prompts import parse_workload, render
-from evaluation.spec_decode import speculative_generate
+from specforge_dspark.decoding.hf_target import HFTarget
+from specforge_dspark.decoding.prompts import parse_workload, render
+from specforge_dspark.decoding.spec_decode import speculative_generate
+from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
 from specforge_dspark.engines.features import AuxTap
 from specforge_dspark.frozen_head import load_frozen_head
-from specforge_dspark.model import DSparkConfig, DSparkDraft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -272,7 +272,7 @@ def test_evaluate_writes_consistent_reports(tiny_target_dir, tmp_path, shared_da
 
 
 def test_ngram_drafter_is_lossless_and_shares_the_reference(tiny_target_dir, tmp_path, shared_data):
-    from evaluation.ngram import NgramDrafter
+    from specforge_dspark.decoding.ngram import NgramDrafter
 
     references: dict = {}
     kw = dict(num_prompts=2, max_new_tokens=24, data_dir=shared_data / "eval", log=lambda *_: None)
@@ -454,7 +454,7 @@ def test_batched_references_match_and_a_wrong_one_is_redone_one_by_one(
     tiny_target_dir, tmp_path, shared_data
 ):
     from evaluation.acceptance import greedy_references
-    from evaluation.ngram import NgramDrafter
+    from specforge_dspark.decoding.ngram import NgramDrafter
 
     data = shared_data / "eval"
     refs = greedy_references(tiny_target_dir, ["mt_bench"], 2, 16, data_dir=data)

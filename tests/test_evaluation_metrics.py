@@ -8,8 +8,8 @@ import random
 import pytest
 
 from evaluation.metrics import auroc, calibration_pairs, ece, step_stats
-from evaluation.prompts import load_conversations, parse_workload
-from evaluation.spec_decode import Step, _cut
+from specforge_dspark.decoding.prompts import load_conversations, parse_workload
+from specforge_dspark.decoding.spec_decode import Step, _cut
 
 
 def _naive_auroc(conf, label):

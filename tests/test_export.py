@@ -14,10 +14,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from specforge_dspark import export
+from specforge_dspark.drafters.dspark import (
+    DSPARK_KEYS,
+    DSparkConfig,
+    DSparkDraft,
+    build_visibility_mask,
+)
+from specforge_dspark.export import core as export
 from specforge_dspark.frozen_head import FrozenHead, load_frozen_head
-from specforge_dspark.model import DSPARK_KEYS, DSparkConfig, DSparkDraft, build_visibility_mask
-from specforge_dspark.objective import build_blocks
+from specforge_dspark.objective.dspark import build_blocks
 from specforge_dspark.recipe import DraftRecipe, Recipe
 from tests.helpers import TINY_DRAFT
 from tests.sglang_shim import import_sglang
@@ -612,7 +617,7 @@ def test_check_conventions_refuses_a_start_point_made_for_other_settings(tmp_pat
 def fake_training_checkpoint(
     root: Path, cfg_kwargs: dict, complete: bool = True, tap: str | None = None
 ) -> Path:
-    """A ZeRO-0 step directory in the layout of specforge_dspark/checkpoint.py (with the
+    """A ZeRO-0 step directory in the layout of specforge_dspark/training/checkpoint.py (with the
     features fingerprint's tap convention when `tap` is given)."""
     recipe = Recipe(draft=DraftRecipe(**cfg_kwargs))
     recipe.dist.zero_stage = 0

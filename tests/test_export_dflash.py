@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specforge_dspark import export, export_dflash
-from specforge_dspark.dflash import DFlashConfig, DFlashDraft
+from specforge_dspark.drafters.dflash import DFlashConfig, DFlashDraft
+from specforge_dspark.export import core as export
+from specforge_dspark.export import dflash as export_dflash
 from tests.sglang_shim import import_sglang
 from tests.test_dflash import TINY
 from tests.test_export import _unpacked_params

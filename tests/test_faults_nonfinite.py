@@ -1,4 +1,4 @@
-"""Non-finite values on CPU, 2 gloo ranks, DeepSpeed ZeRO-2 fp32 (specforge_dspark/nonfinite.py).
+"""Non-finite values on CPU, 2 gloo ranks, DeepSpeed ZeRO-2 fp32 (training/nonfinite.py).
 
 Injected (SPECFORGE_INJECT_NAN) into a run with the reference run's data: a NaN loss on
 rank 0 at step 3, NaN features in rank 0's sample of micro-batch 5 and a NaN gradient on
@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from specforge_dspark.nonfinite import Injection
+from specforge_dspark.training.nonfinite import Injection
 from tests import faults_tiny as ft
 
 pytestmark = pytest.mark.slow

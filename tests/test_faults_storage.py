@@ -1,4 +1,4 @@
-"""Storage faults while saving a checkpoint (specforge_dspark/checkpoint.py `save`).
+"""Storage faults while saving a checkpoint (specforge_dspark/training/checkpoint.py `save`).
 
 A failed write (disk full, file too large, I/O error) raises CheckpointWriteError naming
 the path and the bytes needed, removes the partial step directory, prunes nothing, and
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specforge_dspark import checkpoint
-from specforge_dspark.checkpoint import CheckpointWriteError, TrainState
 from specforge_dspark.recipe import Recipe
+from specforge_dspark.training import checkpoint
+from specforge_dspark.training.checkpoint import CheckpointWriteError, TrainState
 from tests import faults_tiny as ft
 
 

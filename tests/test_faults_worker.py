@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from specforge_dspark.engines.features import TargetLost
-from specforge_dspark.stream import FeatureStream
+from specforge_dspark.training.stream import FeatureStream
 from tests import faults_tiny as ft
 from tests.test_stream import make_samples, tiny_recipe
 

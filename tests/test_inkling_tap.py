@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from evaluation.hf_target import HFTarget as EvalTarget
+from specforge_dspark.decoding.hf_target import HFTarget as EvalTarget
 from specforge_dspark.engines.features import AuxTap, Sample, pad_batch, tap_convention
 from specforge_dspark.engines.hf import HFTarget
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from specforge_dspark.model import (
+from specforge_dspark.drafters.dspark import (
     DSPARK_KEYS,
     DSparkConfig,
     DSparkDraft,

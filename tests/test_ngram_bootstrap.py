@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from evaluation.metrics import bootstrap_ci
-from evaluation.ngram import NgramDrafter, lookup
+from specforge_dspark.decoding.ngram import NgramDrafter, lookup
 
 
 def test_lookup_copies_what_followed_the_latest_match():

@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
 from specforge_dspark.frozen_head import FrozenHead
-from specforge_dspark.model import DSparkConfig, DSparkDraft
-from specforge_dspark.objective import (
+from specforge_dspark.objective.dspark import (
     build_blocks,
     compute_loss,
     compute_loss_at,
@@ -382,7 +382,7 @@ def test_tau_averages_per_block_accept_lengths(monkeypatch):
     """Uneven blocks (4, 2 and 3 supervised slots) with scripted greedy matches: tau is
     the mean over blocks of 1 + (leading matches among the block's supervised slots); the
     former per-slot-mean value differs."""
-    from specforge_dspark import objective
+    from specforge_dspark.objective import dspark as objective
 
     ids = torch.arange(10)[None] % L
     mask = torch.ones(1, 10, dtype=torch.long)
@@ -588,7 +588,7 @@ def test_softcapped_teacher_matches_reference():
 
 def test_bf16_teacher_logits_reach_the_loss_in_float32(monkeypatch):
     """The teacher's softmax sees the target's float32 logits, not bf16-rounded ones."""
-    from specforge_dspark import objective
+    from specforge_dspark.objective import dspark as objective
 
     seen = []
     real = objective.slot_terms_
@@ -609,7 +609,7 @@ def test_bf16_teacher_logits_reach_the_loss_in_float32(monkeypatch):
 def test_bf16_parameter_gradients_are_summed_over_chunks_in_float32(monkeypatch):
     """One block per chunk (64 chunks): each parameter's gradient is the exact sum of the
     chunks' bf16 gradients rounded once to bf16; a bf16 running sum is off by ~4e-3."""
-    from specforge_dspark import objective
+    from specforge_dspark.objective import dspark as objective
 
     per_chunk = []
     real = objective._vocab_chunk

@@ -22,7 +22,7 @@ def test_recipes_exist():
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_every_recipe_loads_and_builds_on_meta(path):
-    from specforge_dspark.drafts import new_draft
+    from specforge_dspark.drafters.registry import new_draft
 
     r = load_recipe(path)
     with torch.device("meta"):

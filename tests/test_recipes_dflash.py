@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import train
-from specforge_dspark import export
-from specforge_dspark.drafts import new_draft
-from specforge_dspark.model import DSparkConfig
+from specforge_dspark.drafters.dspark import DSparkConfig
+from specforge_dspark.drafters.registry import new_draft
+from specforge_dspark.export import core as export
 from specforge_dspark.recipe import RecipeError, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 """Speculative sampling at temperature 1 is lossless in distribution on a tiny target.
 
 Continuations of one fixed context (prompt + bonus token x1) from the harness's draft
-sampler and SGLang's chain accept rule (evaluation/sampling.py) are compared with the
+sampler and SGLang's chain accept rule (specforge_dspark/decoding/sampling.py) are compared with the
 target's exact distribution of (x2, x3) = p(x2) p(x3 | x2) by a chi-square goodness-of-fit
 test. x2 comes from the first verify step (draft 0 accepted, or the residual); x3 from
 draft 1, the bonus row, or a second step after a rejection. Power: the same test, same
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from evaluation.acceptance import head_fns
-from evaluation.sampling import SamplingTarget, sample_continuations, target_probs
+from specforge_dspark.decoding.sampling import SamplingTarget, sample_continuations, target_probs
+from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
 from specforge_dspark.frozen_head import load_frozen_head
-from specforge_dspark.model import DSparkConfig, DSparkDraft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

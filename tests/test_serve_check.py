@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from evaluation.serve_check import compare, explain, serve_check
-from evaluation.spec_decode import Generation, Step
+from specforge_dspark.decoding.spec_decode import Generation, Step
 from tests.live_sglang import free_port
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specforge_dspark.model import DSparkConfig, DSparkDraft, build_visibility_mask
+from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft, build_visibility_mask
 
 from .helpers import TINY_DRAFT
 from .sglang_shim import SglangUnavailable, import_sglang

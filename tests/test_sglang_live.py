@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from specforge_dspark.engines.features import Sample
-from specforge_dspark.stream import FeatureStream
+from specforge_dspark.training.stream import FeatureStream
 from tests.live_sglang import LiveServer, free_port, tiny_sglang_recipe
 
 REPO = Path(__file__).resolve().parents[1]

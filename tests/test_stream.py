@@ -25,7 +25,7 @@ from specforge_dspark.engines.hf import HFTarget, worker_threads
 from specforge_dspark.engines.offline import ShardWriter, target_fingerprint
 from specforge_dspark.engines.shm import FILE_PREFIX, SHM_DIR, sweep_stale_slots
 from specforge_dspark.recipe import recipe_from_dict
-from specforge_dspark.stream import FeatureStream
+from specforge_dspark.training.stream import FeatureStream
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -148,7 +148,7 @@ TRAINER = textwrap.dedent(
     """
     import sys, time, itertools
     from specforge_dspark.recipe import recipe_from_dict
-    from specforge_dspark.stream import FeatureStream
+    from specforge_dspark.training.stream import FeatureStream
     from specforge_dspark.engines.features import Sample
 
     recipe = recipe_from_dict({

@@ -2,7 +2,7 @@
 
 hf (hf.py, a transformers worker per rank), sglang (sglang.py + the server-side plugin
 sglang_plugin.py), offline (offline.py, shards written by `specforge_dspark.capture`);
-shm.py is the shared memory they write into. `specforge_dspark.stream.FeatureStream`
+shm.py is the shared memory they write into. `specforge_dspark.training.stream.FeatureStream`
 picks one by `target.backend`.
 """
 

@@ -42,9 +42,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from specforge_dspark.draft_io import context_features, load_checked, read_config, save_layout
-from specforge_dspark.draft_layers import DecoderLayer, RMSNorm, rope_tables
-from specforge_dspark.model import _plain, build_visibility_mask
+from specforge_dspark.drafters.dspark import _plain, build_visibility_mask
+from specforge_dspark.drafters.io import context_features, load_checked, read_config, save_layout
+from specforge_dspark.drafters.layers import DecoderLayer, RMSNorm, rope_tables
 
 if TYPE_CHECKING:
     from specforge_dspark.recipe import DraftRecipe

@@ -65,8 +65,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from specforge_dspark.drafters.dspark import DSparkDraft, build_visibility_mask
 from specforge_dspark.frozen_head import FrozenHead
-from specforge_dspark.model import DSparkDraft, build_visibility_mask
 from specforge_dspark.recipe import ObjectiveRecipe
 
 log = logging.getLogger(__name__)

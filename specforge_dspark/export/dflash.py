@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from specforge_dspark import export
-from specforge_dspark.dflash import DFlashConfig, DFlashDraft
+from specforge_dspark.drafters.dflash import DFlashConfig, DFlashDraft
+from specforge_dspark.export import core as export
 from specforge_dspark.recipe import recipe_from_dict
 
 SLOT_CONVENTION = (

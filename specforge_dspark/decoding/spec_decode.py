@@ -17,7 +17,7 @@ any cut. Accept length = sum(committed) / steps, so len(output) = 1 + sum(commit
 every step but the last commits exactly accepted + 1.
 
 Temperature T > 0 (`temperature=`, with a `SamplingTarget`): the drafter samples its
-block and the verifier runs SGLang DSPARK's chain rejection rule (evaluation/sampling.py);
+block and the verifier runs SGLang DSPARK's chain rejection rule (decoding/sampling.py);
 n is the accepted drafts and the new token comes from the rule. A verify budget
 (`budget=`, evaluation/budget.py) verifies only the first v <= G drafts of a step (the
 target runs on [b, d_0..d_{v-1}]); `Step.verified` records v (G without a budget).
@@ -32,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-from evaluation.hf_target import HFTarget
+from specforge_dspark.decoding.hf_target import HFTarget
 
 
 class Drafter(Protocol):
@@ -93,7 +93,7 @@ def speculative_generate(
 ) -> Generation:
     """Speculative decoding of one prompt. Greedy (temperature 0): the output equals
     plain greedy. T > 0: SGLang's DSPARK speculative sampling, lossless in distribution
-    (`target` must keep its logits: evaluation.sampling.SamplingTarget; `generator`
+    (`target` must keep its logits: specforge_dspark.decoding.sampling.SamplingTarget; `generator`
     seeds every draw). `budget` (a VerifyBudget) picks how many drafts each step verifies."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -102,7 +102,7 @@ def speculative_generate(
     G = int(drafter.config.block_size)
     sampling = temperature > 0
     if sampling:
-        from evaluation import sampling as smp
+        from specforge_dspark.decoding import sampling as smp
 
         gen = generator if generator is not None else torch.Generator().manual_seed(0)
     if budget is not None:
@@ -111,7 +111,9 @@ def speculative_generate(
     def context(aux_SD: torch.Tensor) -> torch.Tensor:
         return drafter.context(aux_SD[None])  # [1, S, H]: per position, so it extends
 
-    if hasattr(drafter, "begin"):  # drafters that keep token history (evaluation/ngram.py)
+    if hasattr(
+        drafter, "begin"
+    ):  # drafters that keep token history (decoding/ngram.py)
         drafter.begin(list(prompt_ids))
     t0 = time.perf_counter()
     pre = target.prefill(prompt_ids)

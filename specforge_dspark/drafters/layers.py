@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from specforge_dspark.model import DSparkConfig
+    from specforge_dspark.drafters.dspark import DSparkConfig
 
 
 class RMSNorm(nn.Module):

@@ -150,3 +150,28 @@ def eos_token_ids(model, tokenizer) -> set[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
+
+
+@torch.inference_mode()
+def batched_greedy(
+    model, prompts: list[list[int]], max_new_tokens: int, eos: set[int], pad: int
+) -> list[list[int]]:
+    """Plain greedy continuations of `prompts` decoded as one left-padded batch, each cut
+    after its first token in `eos`. A batch can round differently from one-by-one
+    decoding: callers that need exactness decode again one by one where it matters."""
+    width = max(map(len, prompts))
+    ids_BT = torch.tensor([[pad] * (width - len(q)) + q for q in prompts])
+    mask_BT = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in prompts])
+    new_BT = model.generate(
+        ids_BT,
+        attention_mask=mask_BT,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=sorted(eos),
+        pad_token_id=pad,
+    )[:, width:].tolist()
+    out = []
+    for new in new_BT:
+        stop = next((i for i, t in enumerate(new) if t in eos), None)
+        out.append(new[:max_new_tokens] if stop is None else new[: stop + 1])
+    return out

@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from specforge_dspark.dflash import DFlashDraft
+from specforge_dspark.drafters.dflash import DFlashDraft
 from specforge_dspark.frozen_head import FrozenHead
-from specforge_dspark.objective import (
+from specforge_dspark.objective.dspark import (
     LossOutput,
     _FusedVocabLoss,
     _metrics,

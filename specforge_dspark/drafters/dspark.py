@@ -50,8 +50,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
-from specforge_dspark.draft_io import context_features, load_checked, read_config, save_layout
-from specforge_dspark.draft_layers import (
+from specforge_dspark.drafters.io import context_features, load_checked, read_config, save_layout
+from specforge_dspark.drafters.layers import (
     ConfidenceHead,
     DecoderLayer,
     MarkovHead,

@@ -97,11 +97,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from specforge_dspark import checkpoint
+from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
 from specforge_dspark.engines.features import tap_convention
 from specforge_dspark.frozen_head import _config_value, _logical_vocab, load_frozen_head
-from specforge_dspark.model import DSparkConfig, DSparkDraft
 from specforge_dspark.recipe import Recipe, recipe_from_dict, resolved_dirs
+from specforge_dspark.training import checkpoint
 
 FORMATS = ("sglang", "speculators")
 SPECULATORS_VOCABS = ("full", "reduced")
@@ -211,7 +211,7 @@ def export_checkpoint(
     (else "full"). The conventions the checkpoint records must agree with the target.
     A DFlash checkpoint (recipe `draft.kind: dflash`) goes to `export_dflash`.
     """
-    from specforge_dspark import export_dflash
+    from specforge_dspark.export import dflash as export_dflash
 
     if export_dflash.checkpoint_kind(ckpt_dir) == "dflash":
         return export_dflash.export_dflash_checkpoint(ckpt_dir, fmt, out_dir, target_path)

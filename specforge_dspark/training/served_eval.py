@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 @dataclass
 class ServedEval:
-    target: object  # evaluation.hf_target.HFTarget, loaded once per rank
+    target: object  # specforge_dspark.decoding.hf_target.HFTarget, loaded once per rank
     prompts: list[list[int]]  # this rank's share of the rendered prompts
     max_new_tokens: int
     max_seconds: float
@@ -36,8 +36,8 @@ def build_served_eval(recipe, rank: int, world: int, device: torch.device) -> Se
     se = recipe.train.served_eval
     if se.num_prompts == 0:
         return None
-    from evaluation.hf_target import HFTarget
-    from evaluation.prompts import load_conversations, parse_workload, render
+    from specforge_dspark.decoding.hf_target import HFTarget
+    from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
 
     dtype = torch.bfloat16 if recipe.target.dtype == "bfloat16" else torch.float32
     layer_ids = list(recipe.draft.target_layer_ids)
@@ -59,7 +59,7 @@ def _generate(se: ServedEval, draft, prompt: list[int], embed_fn, logits_fn):
         from evaluation.dflash_decode import dflash_generate
 
         return dflash_generate(se.target, draft, prompt, se.max_new_tokens, embed_fn, logits_fn)
-    from evaluation.spec_decode import speculative_generate
+    from specforge_dspark.decoding.spec_decode import speculative_generate
 
     return speculative_generate(se.target, draft, prompt, se.max_new_tokens, embed_fn, logits_fn)
 

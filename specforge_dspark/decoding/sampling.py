@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 import torch
 
-from evaluation.hf_target import HFTarget
-from specforge_dspark.model import build_visibility_mask
+from specforge_dspark.decoding.hf_target import HFTarget
+from specforge_dspark.drafters.dspark import build_visibility_mask
 
 
 class SamplingTarget(HFTarget):

@@ -1,0 +1,1 @@
+"""Serving layouts: SGLang (DSpark, DFlash) and speculators (vLLM)."""

@@ -1,0 +1,2 @@
+"""What the training loop composes: feature stream, checkpoints, lifecycle, non-finite
+guard, tracking, memory estimate, served evaluation."""
