@@ -19,7 +19,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 export TRITON_CACHE_DIR := $(CURDIR)/.cache/triton
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo test lint format bench tiny-target clean
+.PHONY: setup demo test test-quick lint format bench tiny-target clean
 
 setup: $(STAMP)
 
@@ -42,8 +42,15 @@ tiny-target: setup
 demo: setup tiny-target
 	$(PY) scripts/demo.py --nproc $(NPROC)
 
+# The whole suite (live CPU SGLang servers and fault drills included); the slowest 15
+# tests are printed so that the suite's cost stays visible.
 test: setup
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=15
+
+# For iteration: no live servers, no multi-process drills or training runs (markers
+# `slow` and `server`); a few minutes once the tiny target is cached.
+test-quick: setup tiny-target
+	$(PY) -m pytest tests -m "not slow and not server" --durations=10
 
 lint: setup
 	$(VENV)/bin/ruff check .

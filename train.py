@@ -13,9 +13,7 @@ frozen and replicated outside the optimizer. Importing this file does nothing.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import math
 import os
 import sys
 import time
@@ -83,38 +81,9 @@ EXIT_STOPPED = 143
 
 def dry_run(recipe: Recipe, world: int = 1) -> int:
     """Build the draft on the meta device and print what a real run would hold."""
-    from specforge_dspark.drafters.registry import new_draft
-    from specforge_dspark.training.memory import report
+    from specforge_dspark.training.memory import dry_run_summary
 
-    with torch.device("meta"):
-        draft = new_draft(recipe.draft)
-    groups: dict[str, int] = {}
-    for name, p in draft.named_parameters():
-        key = name.split(".")[0] if not name.startswith("layers.") else "layers"
-        groups[key] = groups.get(key, 0) + p.numel()
-    n = sum(p.numel() for p in draft.parameters() if p.requires_grad)
-    d = recipe.draft
-    heads = (
-        f"markov {d.markov_head_type} r={d.markov_rank}"
-        if d.kind == "dspark"
-        else f"layers {sorted(set(draft.config.layer_types))}, window {d.sliding_window}"
-    )
-    print(f"recipe: {recipe.source}")
-    print(
-        f"draft ({d.kind}): {d.num_hidden_layers} layers, hidden {d.hidden_size}, heads "
-        f"{d.num_attention_heads}/{d.num_key_value_heads}, block {d.block_size}, aux layers "
-        f"{d.target_layer_ids} of {d.num_target_layers}, {heads}"
-    )
-    for k, v in groups.items():
-        print(f"  {k:<16} {v:>14,d}")
-    o = recipe.objective
-    print(
-        f"objective: {o.ce_weight} CE + {o.l1_weight} L1 + {o.bce_weight} BCE, "
-        f"{o.num_anchors} anchors, gamma {o.gamma}, chunk {o.chunk_size}"
-    )
-    print(f"target backend: {recipe.target.backend} ({recipe.target.path})")
-    print("\n".join(report(recipe, n, world)))
-    print(f"trainable_params: {n}")
+    print("\n".join(dry_run_summary(recipe, world)))
     return 0
 
 
@@ -142,68 +111,6 @@ class Run:
     """Rank 0's RunLock on train.output_dir, held until the process exits."""
 
 
-def init_distributed(recipe: Recipe) -> tuple[int, int, torch.device]:
-    """torchrun's env (or a single process); gloo on CPU, NCCL on GPU."""
-    import deepspeed
-
-    _skip_deepspeed_shm_build()
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29511")
-    cuda = torch.cuda.is_available() and recipe.dist.backend != "gloo"
-    backend = recipe.dist.backend if recipe.dist.backend != "auto" else ("nccl" if cuda else "gloo")
-    local = int(os.environ["LOCAL_RANK"])
-    if cuda:
-        torch.cuda.set_device(local)
-    deepspeed.init_distributed(dist_backend=backend)
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
-
-
-def _skip_deepspeed_shm_build() -> None:
-    """DeepSpeed JIT-compiles a CPU shared-memory comm op (minutes) that gloo never needs.
-
-    `deepspeed.comm.torch` is shadowed by torch as an attribute of `deepspeed.comm`, so
-    the module is patched through sys.modules.
-    """
-    mod = importlib.import_module("deepspeed.comm.torch")
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    del mod
-
-
-def deepspeed_config(recipe: Recipe, device: torch.device) -> dict:
-    bf16 = recipe.dist.precision == "bf16" or (
-        recipe.dist.precision == "auto" and device.type == "cuda"
-    )
-    return {
-        "train_micro_batch_size_per_gpu": recipe.train.micro_batch_size,
-        "gradient_accumulation_steps": recipe.train.grad_accum,
-        "gradient_clipping": recipe.optim.grad_clip,
-        "zero_optimization": {"stage": recipe.dist.zero_stage},
-        # skip a step whose gradient norm is non-finite (nonfinite.py; fp32 ZeRO always does)
-        "bf16": {"enabled": bf16, "check_grad_overflow": True},
-        "steps_per_print": 10**12,
-        "wall_clock_breakdown": False,
-    }
-
-
-def lr_lambda(recipe: Recipe, total_steps: int):
-    o = recipe.optim
-    warm = int(round(o.warmup_ratio * total_steps))
-
-    def f(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        if o.scheduler == "constant":
-            return 1.0
-        progress = min(1.0, (step - warm) / max(1, total_steps - warm))
-        return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return f
-
-
 def build(recipe: Recipe, resume: str | None) -> Run:
     import deepspeed
 
@@ -212,6 +119,8 @@ def build(recipe: Recipe, resume: str | None) -> Run:
     from specforge_dspark.drafters.registry import new_draft
     from specforge_dspark.frozen_head import load_frozen_head
     from specforge_dspark.training import checkpoint
+    from specforge_dspark.training.distributed import deepspeed_config, init_distributed, lr_lambda
+    from specforge_dspark.training.fingerprint import data_fingerprint, features_fingerprint
     from specforge_dspark.training.lifecycle import acquire_run_lock
 
     rank, world, device = init_distributed(recipe)
@@ -228,8 +137,8 @@ def build(recipe: Recipe, resume: str | None) -> Run:
     torch.manual_seed(recipe.train.seed)
     dataset = prepare_dataset(recipe, split="train")  # cached; other ranks wait on its lock
     fingerprint = {
-        "features": checkpoint.features_fingerprint(recipe),
-        "data": checkpoint.data_fingerprint(dataset),
+        "features": features_fingerprint(recipe),
+        "data": data_fingerprint(dataset),
     }
     if resume_path is not None:  # the same target and data, before engines are built
         checkpoint.check_saved(resume_path, recipe, world, fingerprint)
@@ -259,7 +168,7 @@ def build(recipe: Recipe, resume: str | None) -> Run:
         if draft.config != DFlashConfig.from_recipe(recipe.draft):
             raise ValueError(f"draft.init_from {recipe.draft.init_from}: config differs")
     elif recipe.draft.init_from:  # same slot, tap, layer ids, mask and vocab as this run
-        from specforge_dspark.export.core import check_conventions
+        from specforge_dspark.export.conventions import check_conventions
 
         check_conventions(recipe.draft.init_from, recipe)
         draft = DSparkDraft.from_pretrained(recipe.draft.init_from)
@@ -341,13 +250,17 @@ def batches(run: Run, start_micro: int):
 
     Epoch e uses the permutation seeded by (seed, e); rank r takes every world-th row;
     the order depends only on the recipe and world size, so a resume continues it exactly.
-    Every train.eval_interval steps the eval rows follow (ids >= EVAL_ID), one per batch.
+    Every train.eval_interval steps the eval rows follow (ids >= EVAL_ID), one per batch;
+    a run resumed at such a step starts with them (the stopped run saved before them).
     """
     from specforge_dspark.engines.features import Sample
 
     t, n = run.recipe.train, len(run.dataset)
     eval_every = t.eval_interval * t.grad_accum
     g = start_micro
+    if eval_every and g and g % eval_every == 0:  # resumed where the evals were due
+        for r in _eval_rows(run):
+            yield [_sample(run.eval_set[r], Sample, id_base=EVAL_ID)]
     while True:
         epoch, i = divmod(g, run.micro_per_epoch)
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(t.seed * 1000 + epoch))
@@ -434,7 +347,7 @@ def eval_step(run: Run, feats, index: int) -> dict:
 
 def train(run: Run, stop_at_step: int = 0) -> str | None:
     """The loop; returns why it stopped early (a signal, the launcher's death) or None."""
-    from specforge_dspark.export.core import export_checkpoint
+    from specforge_dspark.export.cli import export_checkpoint
     from specforge_dspark.training import checkpoint
     from specforge_dspark.training.lifecycle import StopRequest, watch_launcher
     from specforge_dspark.training.nonfinite import NonFiniteError, NonFiniteGuard
@@ -448,10 +361,10 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
         f"training {run.total_steps} steps on {run.world} rank(s), {len(run.dataset)} rows, "
         f"{run.micro_per_epoch} micro-batches per rank per epoch"
     )
-    window: list = []
+    window: list = state.log_window  # carried across a stop (checkpoint.TrainState)
     evals: list = []
     t_start, start_step = time.time(), state.step
-    t_last, wait_last, tokens_last = time.time(), 0.0, state.tokens
+    t_last, wait_last, tokens_last = time.time(), 0.0, state.log_tokens
     stop = StopRequest()  # SIGTERM / SIGINT / launcher death: save at the next step, exit
     watch_launcher(stop)
     stopped: str | None = None
@@ -522,6 +435,7 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
             stopping = not last and stop.agreed(run.device)  # collective, every step
             halt = report.stop  # too many non-finite steps in a row: save, then fail
             if state.step % r.checkpoint.save_interval == 0 or last or stopping or halt:
+                state.log_window, state.log_tokens = list(window), tokens_last
                 keep = r.checkpoint.keep_last
                 path = checkpoint.save(eng, run.dirs["checkpoint"], state, r, keep, run.fingerprint)
                 tracker.write(f"step {state.step}: saved {path}")
@@ -557,7 +471,7 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
             )
             print(f"exported {fmt} drafter to {out_dir}", flush=True)
         if r.export.calibrate_prompts:
-            from evaluation.calibrate import calibrate_export
+            from specforge_dspark.decoding.calibration import calibrate_export
 
             calibrate_export(
                 r.target.path,

@@ -17,87 +17,32 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from evaluation.metrics import bootstrap_ci, step_stats
+from evaluation.budget import budget_row, verify_budgets
+from evaluation.metrics import accept_length_ci, pooled_speed, speed_stats, step_stats
 from evaluation.report import write_report
 from specforge_dspark.decoding.hf_target import CacheMode, HFTarget
+from specforge_dspark.decoding.loading import DTYPES, check_pair, head_fns, load_drafter
 from specforge_dspark.decoding.prompts import (
     BUILTIN_WORKLOADS,
     Workload,
+    answer_text,
     load_conversations,
     parse_workload,
     render,
 )
 from specforge_dspark.decoding.sampling import SamplingTarget
-from specforge_dspark.decoding.spec_decode import Drafter, Generation, Step, speculative_generate
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-class LosslessError(RuntimeError):
-    """Speculative output differs from plain target greedy decoding."""
-
-
-def load_drafter(draft: str | Path | Drafter, device: str, dtype: torch.dtype) -> Drafter:
-    """An exported SGLang-layout directory (config.json + model.safetensors), `ngram:G`
-    (the training-free prompt-lookup drafter of block size G, decoding/ngram.py) or a
-    drafter."""
-    if isinstance(draft, str) and draft.startswith("ngram:"):
-        from specforge_dspark.decoding.ngram import NgramDrafter
-
-        return NgramDrafter(int(draft.removeprefix("ngram:")))
-    if isinstance(draft, (str, Path)):
-        from specforge_dspark.drafters.dspark import DSparkDraft
-
-        draft = DSparkDraft.from_pretrained(Path(draft))
-    if isinstance(draft, torch.nn.Module):
-        draft = draft.to(device=device, dtype=dtype).eval()
-    return draft
-
-
-def check_pair(drafter: Drafter, target: HFTarget) -> None:
-    """A drafter trained for another target reads the wrong features: refuse it."""
-    tcfg = target.model.config
-    for field, want in (
-        ("hidden_size", tcfg.hidden_size),
-        ("num_target_layers", tcfg.num_hidden_layers),
-    ):
-        got = getattr(drafter.config, field, None)
-        if got is not None and got != want:
-            raise ValueError(f"--draft: config {field}={got}, but the target has {want}")
-
-
-def head_fns(head) -> tuple[Callable, Callable]:
-    """(embed_fn, logits_fn) of a frozen head. The draft's logits are NOT cropped to the
-    logical vocabulary: SGLang 0.5.23's DSpark draft takes its argmax over every LM-head
-    row (`models/dspark.py` crops only to `lm_head.org_vocab_size`, the padded row count
-    for Inkling), so a padded row can be drafted (and is always rejected) when served. The
-    target's greedy choice stays over its logical rows (see hf_target.py)."""
-    return head.embed, head.logits
-
-
-def check_lossless(spec: list[int], ref: list[int], where: str) -> None:
-    if spec == ref:
-        return
-    i = next(
-        (j for j, (a, b) in enumerate(zip(spec, ref, strict=False)) if a != b),
-        min(len(spec), len(ref)),
-    )
-    got = spec[i] if i < len(spec) else "<end>"
-    want = ref[i] if i < len(ref) else "<end>"
-    raise LosslessError(
-        f"{where}: speculative output differs from plain greedy at new token {i} "
-        f"(speculative {got}, greedy {want}; lengths {len(spec)} vs {len(ref)})"
-    )
-
-
-def _answer_text(tokenizer, tokens: list[int], eos_ids: set[int]) -> str:
-    body = tokens[:-1] if tokens and tokens[-1] in eos_ids else tokens
-    return tokenizer.decode(body, skip_special_tokens=True)
+from specforge_dspark.decoding.spec_decode import (
+    Drafter,
+    Generation,
+    Step,
+    check_lossless,
+    speculative_generate,
+)
 
 
 def run_workload(
@@ -180,7 +125,7 @@ def run_workload(
             messages.append(
                 {
                     "role": "assistant",
-                    "content": _answer_text(target.tokenizer, ref, target.eos_ids),
+                    "content": answer_text(target.tokenizer, ref, target.eos_ids),
                 }
             )
     steps: list[Step] = [s for g in gens for s in g.steps]
@@ -189,7 +134,7 @@ def run_workload(
     spec_s = sum(g.seconds for g in gens)
     stats.update(lossless=None if sampling else True, prompts=len(conversations))
     stats["accept_length_ci"] = accept_length_ci(gens, units)
-    stats.update(_speed(len(gens), tokens, None if plain_unknown else plain_s, spec_s))
+    stats.update(speed_stats(len(gens), tokens, None if plain_unknown else plain_s, spec_s))
     log(
         f"{workload.name}: {len(gens)} generations, {tokens} tokens, {len(steps)} steps, "
         f"accept length {_fmt(stats['accept_length'])}, "
@@ -211,127 +156,6 @@ def _record(workload: str, index: int, turn: int, prompt: str, gen: Generation, 
         "verify_steps": len(gen.steps),
         "committed": sum(st.committed for st in gen.steps),
         "accepted_per_step": [st.accepted for st in gen.steps],
-    }
-
-
-def accept_length_ci(gens: list[Generation], units: list) -> list[float] | None:
-    """95% bootstrap interval of the pooled accept length, resampling conversations
-    (`units[i]` names generation i's; an MT-Bench conversation's two turns stay together)."""
-    committed: dict = {}
-    steps: dict = {}
-    for gen, unit in zip(gens, units, strict=True):
-        committed[unit] = committed.get(unit, 0) + sum(st.committed for st in gen.steps)
-        steps[unit] = steps.get(unit, 0) + len(gen.steps)
-    keys = [k for k in committed if steps[k]]
-    return bootstrap_ci([committed[k] for k in keys], [steps[k] for k in keys])
-
-
-@torch.inference_mode()
-def greedy_references(
-    target_path: str | Path,
-    workloads: list[str],
-    num_prompts: int,
-    max_new_tokens: int,
-    data_dir: str | Path | None = None,
-    batch_size: int = 20,
-) -> dict:
-    """Plain greedy outputs of every prompt and later turn (conditioned on the earlier
-    outputs, as run_workload builds them) decoded in left-padded batches: a cache for
-    `evaluate(references=...)` shared by several drafters. A batch can round differently
-    from one-by-one decoding; run_workload decodes a prompt one by one again whenever its
-    speculative output differs from the cached one, so the lossless check always rests
-    on one-by-one greedy decoding. Entries carry no time (speedup is then not reported)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from specforge_dspark.decoding.hf_target import batched_greedy, eos_token_ids
-
-    tok = AutoTokenizer.from_pretrained(target_path)
-    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
-    eos = eos_token_ids(model, tok)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else sorted(eos)[0]
-    data = Path(data_dir) if data_dir is not None else None
-    out: dict = {}
-    for spec in workloads:
-        convs = load_conversations(parse_workload(spec, data), num_prompts)
-        history: list[list[dict]] = [[] for _ in convs]
-        for turn in range(max(len(c.turns) for c in convs)):
-            live = [i for i, c in enumerate(convs) if turn < len(c.turns)]
-            for i in live:
-                history[i].append({"role": "user", "content": convs[i].turns[turn]})
-            prompts = [render(tok, history[i]) for i in live]
-            for b in range(0, len(live), batch_size):
-                chunk = prompts[b : b + batch_size]
-                news = batched_greedy(model, chunk, max_new_tokens, eos, pad)
-                for i, q, new in zip(live[b : b + batch_size], chunk, news, strict=True):
-                    out[(tuple(q), max_new_tokens)] = (new, None)
-                    history[i].append({"role": "assistant", "content": _answer_text(tok, new, eos)})
-    return out
-
-
-def _budgets(drafter, draft, cost: float | None, sts_path) -> dict:
-    """{"uncalibrated": VerifyBudget, "calibrated": VerifyBudget (when an STS file is
-    given or sits in the draft directory)} for a verify-token cost; {} without one.
-    Uncalibrated is the head as trained: a confidence-bias shift that calibration added
-    to the export (its safetensors metadata) is taken off again."""
-    if cost is None:
-        return {}
-    from evaluation.budget import VerifyBudget
-    from evaluation.calibrate import STS_FILE, read_bias_shift, validate_sts_file
-
-    G = int(drafter.config.block_size)
-    shift = 0.0
-    if isinstance(draft, (str, Path)):
-        if (Path(draft) / "model.safetensors").is_file():
-            shift = read_bias_shift(draft)
-        if sts_path is None and (Path(draft) / STS_FILE).is_file():
-            sts_path = Path(draft) / STS_FILE
-    out = {"uncalibrated": VerifyBudget(G, cost, logit_offset=-shift)}
-    if sts_path is not None:
-        out["calibrated"] = VerifyBudget(G, cost, validate_sts_file(Path(sts_path), G))
-    return out
-
-
-def _budget_row(stats: dict) -> dict:
-    keys = ("steps", "accept_length", "verified_tokens", "tokens_per_verified_token")
-    row = {k: stats[k] for k in keys}
-    row["drafts_verified_per_step"] = (
-        stats["verified_tokens"] / stats["steps"] - 1 if stats["steps"] else None
-    )
-    return row
-
-
-def _pooled_speed(stats: Iterable[dict]) -> dict:
-    stats = list(stats)
-    plain = [s["seconds_plain"] for s in stats]
-    return _speed(
-        sum(s["generations"] for s in stats),
-        sum(s["new_tokens"] for s in stats),
-        None if None in plain else sum(plain),
-        sum(s["seconds_spec"] for s in stats),
-    )
-
-
-def _speed(generations: int, tokens: int, plain_s: float | None, spec_s: float) -> dict:
-    """Wall-clock figures of plain vs speculative decoding (reported, never asserted);
-    plain_s None: the references came batched (greedy_references), not timed per prompt."""
-    if plain_s is None:
-        return {
-            "generations": generations,
-            "new_tokens": tokens,
-            "seconds_plain": None,
-            "seconds_spec": spec_s,
-            "tokens_per_s_plain": None,
-            "tokens_per_s_spec": tokens / spec_s if spec_s else None,
-            "speedup": None,
-        }
-    return {
-        "generations": generations,
-        "new_tokens": tokens,
-        "seconds_plain": plain_s,
-        "seconds_spec": spec_s,
-        "tokens_per_s_plain": tokens / plain_s if plain_s else None,
-        "tokens_per_s_spec": tokens / spec_s if spec_s else None,
-        "speedup": plain_s / spec_s if spec_s else None,
     }
 
 
@@ -368,7 +192,8 @@ def evaluate(
     uncalibrated and (with `sts_path`, default DRAFT/sts_calibration.json when present)
     calibrated, and report tokens per verified token of each (summary `verify_budget`).
     `references`: a dict shared by several calls so that plain greedy decoding of each
-    prompt runs once (the lossless reference). The decoded texts go to
+    prompt runs once (the lossless reference; references.greedy_references fills one in
+    batches). The decoded texts go to
     OUT/generations.jsonl; accept lengths carry a 95% bootstrap interval over prompts.
     """
     if num_prompts < 1:
@@ -390,7 +215,7 @@ def evaluate(
         raise ValueError(f"--workloads: a workload name is given twice in {names}")
     is_export = isinstance(draft, Path) or isinstance(draft, str) and not draft.startswith("ngram:")
     if is_export:  # an export made for another target: refuse it
-        from specforge_dspark.export.core import check_conventions
+        from specforge_dspark.export.conventions import check_conventions
 
         check_conventions(draft, target_path=target_path)
     drafter = load_drafter(draft, device, DTYPES[dtype])
@@ -407,7 +232,7 @@ def evaluate(
     logical_vocab = getattr(head, "logical_vocab", None)
     target.greedy(render(target.tokenizer, [{"role": "user", "content": "hi"}]), 2)  # warm-up
 
-    budgets = _budgets(drafter, draft, verify_token_cost, sts_path)
+    budgets = verify_budgets(drafter, draft, verify_token_cost, sts_path)
     per_workload: dict[str, dict] = {}
     all_steps: list[Step] = []
     all_gens: list[Generation] = []
@@ -441,10 +266,10 @@ def evaluate(
         per_workload[workload.name] = stats
         all_steps.extend(s for g in gens for s in g.steps)
         if budgets:
-            stats["verify_budget"] = {"verify_all": _budget_row(stats)}
+            stats["verify_budget"] = {"verify_all": budget_row(stats)}
             for name, budget in budgets.items():
                 b_stats, b_gens = run(budget)
-                stats["verify_budget"][name] = _budget_row(b_stats)
+                stats["verify_budget"][name] = budget_row(b_stats)
                 budget_steps[name].extend(s for g in b_gens for s in g.steps)
 
     overall = step_stats(all_steps, G, logical_vocab)  # pooled over verify steps
@@ -453,11 +278,11 @@ def evaluate(
         None if temperature > 0 else all(w["lossless"] for w in per_workload.values())
     )
     if budgets:
-        overall["verify_budget"] = {"verify_all": _budget_row(overall)} | {
-            name: _budget_row(step_stats(steps, G, logical_vocab))
+        overall["verify_budget"] = {"verify_all": budget_row(overall)} | {
+            name: budget_row(step_stats(steps, G, logical_vocab))
             for name, steps in budget_steps.items()
         }
-    overall.update(_pooled_speed(per_workload.values()))
+    overall.update(pooled_speed(per_workload.values()))
     lengths = [w["accept_length"] for w in per_workload.values() if w["accept_length"] is not None]
     summary = {
         "target": str(target_path),

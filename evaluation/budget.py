@@ -15,7 +15,7 @@ other than `static`):
 Our cost model is the additive table step_time(m) = 1 + verify_token_cost * m for m
 verified tokens (`sglang_cost_table` gives the same table as SGLang's JSON). With
 verify_token_cost = 0 (SGLang's default uninitialised table) every draft with s >= eps
-is verified.
+is verified. `verify_budgets` builds the uncalibrated and calibrated budgets of a draft.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 SURVIVAL_EPS = 1e-6  # DSparkScheduleConfig.survival_eps
 SGLANG_LAG_STEPS = 2  # SGLANG_DSPARK_CONFIDENCE_RELAY_LAG_STEPS default
@@ -111,3 +112,35 @@ class VerifyBudget:
             [1.0] * self.block_size if lagged is None else lagged, self.verify_token_cost
         )
         return verify_drafts(surv, budget)
+
+
+def verify_budgets(drafter, draft, cost: float | None, sts_path) -> dict:
+    """{"uncalibrated": VerifyBudget, "calibrated": VerifyBudget (when an STS file is
+    given or sits in the draft directory)} for a verify-token cost; {} without one.
+    Uncalibrated is the head as trained: a confidence-bias shift that calibration added
+    to the export (its safetensors metadata) is taken off again."""
+    if cost is None:
+        return {}
+    from specforge_dspark.decoding.sts import STS_FILE, read_bias_shift, validate_sts_file
+
+    G = int(drafter.config.block_size)
+    shift = 0.0
+    if isinstance(draft, (str, Path)):
+        if (Path(draft) / "model.safetensors").is_file():
+            shift = read_bias_shift(draft)
+        if sts_path is None and (Path(draft) / STS_FILE).is_file():
+            sts_path = Path(draft) / STS_FILE
+    out = {"uncalibrated": VerifyBudget(G, cost, logit_offset=-shift)}
+    if sts_path is not None:
+        out["calibrated"] = VerifyBudget(G, cost, validate_sts_file(Path(sts_path), G))
+    return out
+
+
+def budget_row(stats: dict) -> dict:
+    """The verify-budget figures of a `metrics.step_stats` pool (summary `verify_budget`)."""
+    keys = ("steps", "accept_length", "verified_tokens", "tokens_per_verified_token")
+    row = {k: stats[k] for k in keys}
+    row["drafts_verified_per_step"] = (
+        stats["verified_tokens"] / stats["steps"] - 1 if stats["steps"] else None
+    )
+    return row

@@ -12,22 +12,19 @@
 - calibration: sigmoid(confidence_k) against whether slot k was accepted, over the slots
   the verifier actually judged with a correct prefix (k <= accepted, k < G): the
   conditional acceptance that the confidence head is trained on and that serving
-  multiplies into a survival probability. ECE uses equal-width bins; AUROC is the
-  Mann-Whitney statistic with ties counted half (None when one class is absent).
+  multiplies into a survival probability (ECE, Brier, AUROC: decoding/calibration_metrics.py).
 - verified_tokens: tokens the target verified (bonus + drafts sent, G + 1 per step
   without a verify budget); tokens_per_verified_token = committed / verified.
-- survival calibration (`survival_calibration`): per position k over all steps, the
-  predicted survival prod_{i<=k} c_i against "draft k accepted" (accepted > k), the
-  quantity SGLang's verify budget ranks; ECE, Brier score and AUROC per position.
+Also the bootstrap interval of accept length over prompts (`accept_length_ci`) and the
+wall-clock figures of plain vs speculative decoding (`speed_stats`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from specforge_dspark.decoding.spec_decode import Step
-
-ECE_BINS = 10
+from specforge_dspark.decoding.calibration_metrics import calibration_summary
+from specforge_dspark.decoding.spec_decode import Generation, Step
 
 
 def calibration_pairs(steps: Iterable[Step], G: int) -> tuple[list[float], list[int]]:
@@ -40,86 +37,6 @@ def calibration_pairs(steps: Iterable[Step], G: int) -> tuple[list[float], list[
             conf.append(s.confidence[k])
             label.append(int(k < s.accepted))
     return conf, label
-
-
-def ece(conf: list[float], label: list[int], bins: int = ECE_BINS) -> float | None:
-    if not conf:
-        return None
-    total = 0.0
-    for b in range(bins):
-        idx = [i for i, c in enumerate(conf) if _bin(c, bins) == b]
-        if idx:
-            gap = sum(conf[i] for i in idx) / len(idx) - sum(label[i] for i in idx) / len(idx)
-            total += abs(gap) * len(idx)
-    return total / len(conf)
-
-
-def reliability(conf: list[float], label: list[int], bins: int = ECE_BINS) -> list[dict]:
-    """Per bin: mean confidence, observed acceptance, count (empty bins left out)."""
-    rows = []
-    for b in range(bins):
-        idx = [i for i, c in enumerate(conf) if _bin(c, bins) == b]
-        if idx:
-            rows.append(
-                {
-                    "bin": b,
-                    "confidence": sum(conf[i] for i in idx) / len(idx),
-                    "accepted": sum(label[i] for i in idx) / len(idx),
-                    "count": len(idx),
-                }
-            )
-    return rows
-
-
-def _bin(c: float, bins: int) -> int:
-    return min(int(c * bins), bins - 1)
-
-
-def auroc(conf: list[float], label: list[int]) -> float | None:
-    pos = [c for c, y in zip(conf, label, strict=True) if y]
-    neg = [c for c, y in zip(conf, label, strict=True) if not y]
-    if not pos or not neg:
-        return None
-    # rank-sum with average ranks for ties: O(n log n)
-    order = sorted(range(len(conf)), key=lambda i: conf[i])
-    ranks = [0.0] * len(conf)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and conf[order[j + 1]] == conf[order[i]]:
-            j += 1
-        for r in range(i, j + 1):
-            ranks[order[r]] = (i + j) / 2 + 1
-        i = j + 1
-    rank_pos = sum(r for r, y in zip(ranks, label, strict=True) if y)
-    return (rank_pos - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg))
-
-
-def brier(conf: list[float], label: list[int]) -> float | None:
-    if not conf:
-        return None
-    return sum((c - y) ** 2 for c, y in zip(conf, label, strict=True)) / len(conf)
-
-
-def calibration_summary(conf: list[float], label: list[int]) -> dict:
-    return {
-        "pairs": len(conf),
-        "ece": ece(conf, label),
-        "brier": brier(conf, label),
-        "auroc": auroc(conf, label),
-        "mean_confidence": sum(conf) / len(conf) if conf else None,
-        "acceptance": sum(label) / len(label) if label else None,
-        "bins": reliability(conf, label),
-    }
-
-
-def survival_calibration(surv_NG: list[list[float]], accepted_N: list[int]) -> list[dict]:
-    """Per position k: calibration of survival s_k against accepted > k (all steps)."""
-    G = len(surv_NG[0]) if surv_NG else 0
-    return [
-        calibration_summary([s[k] for s in surv_NG], [int(a > k) for a in accepted_N])
-        for k in range(G)
-    ]
 
 
 def step_stats(steps: list[Step], G: int, logical_vocab: int | None = None) -> dict:
@@ -178,3 +95,51 @@ def bootstrap_ci(
     alpha = (1 - level) / 2
     low, high = torch.quantile(ratios, torch.tensor([alpha, 1 - alpha], dtype=torch.float64))
     return [round(float(low), 4), round(float(high), 4)]
+
+
+def accept_length_ci(gens: list[Generation], units: list) -> list[float] | None:
+    """95% bootstrap interval of the pooled accept length, resampling conversations
+    (`units[i]` names generation i's; an MT-Bench conversation's two turns stay together)."""
+    committed: dict = {}
+    steps: dict = {}
+    for gen, unit in zip(gens, units, strict=True):
+        committed[unit] = committed.get(unit, 0) + sum(st.committed for st in gen.steps)
+        steps[unit] = steps.get(unit, 0) + len(gen.steps)
+    keys = [k for k in committed if steps[k]]
+    return bootstrap_ci([committed[k] for k in keys], [steps[k] for k in keys])
+
+
+def pooled_speed(stats: Iterable[dict]) -> dict:
+    """`speed_stats` pooled over several workloads' statistics."""
+    stats = list(stats)
+    plain = [s["seconds_plain"] for s in stats]
+    return speed_stats(
+        sum(s["generations"] for s in stats),
+        sum(s["new_tokens"] for s in stats),
+        None if None in plain else sum(plain),
+        sum(s["seconds_spec"] for s in stats),
+    )
+
+
+def speed_stats(generations: int, tokens: int, plain_s: float | None, spec_s: float) -> dict:
+    """Wall-clock figures of plain vs speculative decoding (reported, never asserted);
+    plain_s None: the references came batched (greedy_references), not timed per prompt."""
+    if plain_s is None:
+        return {
+            "generations": generations,
+            "new_tokens": tokens,
+            "seconds_plain": None,
+            "seconds_spec": spec_s,
+            "tokens_per_s_plain": None,
+            "tokens_per_s_spec": tokens / spec_s if spec_s else None,
+            "speedup": None,
+        }
+    return {
+        "generations": generations,
+        "new_tokens": tokens,
+        "seconds_plain": plain_s,
+        "seconds_spec": spec_s,
+        "tokens_per_s_plain": tokens / plain_s if plain_s else None,
+        "tokens_per_s_spec": tokens / spec_s if spec_s else None,
+        "speedup": plain_s / spec_s if spec_s else None,
+    }

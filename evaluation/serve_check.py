@@ -29,12 +29,12 @@ from pathlib import Path
 
 import torch
 
-from evaluation.acceptance import DTYPES, check_pair, head_fns, load_drafter
 from specforge_dspark.decoding.hf_target import HFTarget
+from specforge_dspark.decoding.loading import DTYPES, check_pair, head_fns, load_drafter
 from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
 from specforge_dspark.decoding.spec_decode import Generation, speculative_generate
 from specforge_dspark.engines.sglang import CPU_ENGINE_ARGS, ServerProcess, cli_flag
-from specforge_dspark.export.core import check_conventions
+from specforge_dspark.export.conventions import check_conventions
 
 START_TIMEOUT_S = 600.0
 
@@ -166,7 +166,7 @@ def serve_check(
     """Serve `draft` with SGLang, decode with the harness, compare; returns the report.
     A DRAFT/sts_calibration.json (evaluation/calibrate.py) is served with it; the report's
     `sts_loaded` says whether SGLang logged loading it."""
-    from evaluation.calibrate import STS_FILE
+    from specforge_dspark.decoding.sts import STS_FILE
     from specforge_dspark.frozen_head import load_frozen_head
 
     out = Path(out_dir)

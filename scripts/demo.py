@@ -74,7 +74,8 @@ def _evaluate_part(workloads: tuple[str, ...], drafts: dict, kw: dict, part: int
     """One evaluation process: every drafter on `workloads`, sharing the greedy references."""
     import torch
 
-    from evaluation.acceptance import evaluate, greedy_references
+    from evaluation.acceptance import evaluate
+    from evaluation.references import greedy_references
     from specforge_dspark.decoding.ngram import NgramDrafter
 
     torch.set_num_threads(1)
@@ -168,9 +169,9 @@ def fresh_for_target(out: Path, target: Path) -> None:
     afresh instead of resuming on another target's answers."""
     import shutil
 
-    from specforge_dspark.training.checkpoint import _weight_file_digest
+    from specforge_dspark.training.fingerprint import weight_file_digest
 
-    digest = {p.name: _weight_file_digest(p) for p in sorted(target.glob("*.safetensors"))}
+    digest = {p.name: weight_file_digest(p) for p in sorted(target.glob("*.safetensors"))}
     stamp = out / "target_weights.json"
     if stamp.is_file() or (out / "data" / "mix_regenerated.jsonl").is_file():  # a demo's
         if not stamp.is_file() or json.loads(stamp.read_text()) != digest:

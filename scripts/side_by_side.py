@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from evaluation.dflash_decode import decode_prompts
+    from evaluation.decode import decode_prompts
     from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
     from specforge_dspark.drafters.registry import new_draft
     from specforge_dspark.recipe import load_recipe

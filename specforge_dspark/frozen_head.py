@@ -132,7 +132,7 @@ def load_frozen_head(
     embed_name = _first_present(EMBED_NAMES, files)
     if embed_name is None:
         raise ValueError(f"{root}: no token embedding found; tried {list(EMBED_NAMES)}")
-    tied = bool(_config_value(config, "tie_word_embeddings"))
+    tied = bool(config_value(config, "tie_word_embeddings"))
     head_name = None if tied else _first_present(HEAD_NAMES, files)
     embed_shape = _checked_shape(files[embed_name], embed_name, config)
     if head_name is not None:
@@ -144,13 +144,13 @@ def load_frozen_head(
             )
     embed = _read(files[embed_name], embed_name, device, dtype)
     head = embed if head_name is None else _read(files[head_name], head_name, device, dtype)
-    mult = _config_value(config, "logits_mup_width_multiplier")
+    mult = config_value(config, "logits_mup_width_multiplier")
     return FrozenHead(
         embed,
         head,
-        _logical_vocab(root, config, head.shape[0]),
+        logical_vocab(root, config, head.shape[0]),
         1.0 if mult is None else float(mult),
-        _config_value(config, "final_logit_softcapping"),
+        config_value(config, "final_logit_softcapping"),
     )
 
 
@@ -158,7 +158,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _config_value(config: dict[str, Any], key: str) -> Any:
+def config_value(config: dict[str, Any], key: str) -> Any:
     """A text-model setting: at the config root, else in `text_config`."""
     if config.get(key) is not None:
         return config[key]
@@ -186,7 +186,7 @@ def _checked_shape(file: Path, name: str, config: dict[str, Any]) -> list[int]:
     """The tensor's shape, checked against config hidden_size / vocab_size when present."""
     with safe_open(str(file), framework="pt") as f:
         shape = list(f.get_slice(name).get_shape())
-    hidden, vocab = _config_value(config, "hidden_size"), _config_value(config, "vocab_size")
+    hidden, vocab = config_value(config, "hidden_size"), config_value(config, "vocab_size")
     if len(shape) != 2 or (hidden is not None and shape[1] != hidden):
         raise ValueError(f"{file.name}: {name} has shape {shape}, expected [vocab, {hidden}]")
     if vocab is not None and shape[0] != vocab:
@@ -199,8 +199,9 @@ def _read(file: Path, name: str, device: str | torch.device, dtype: torch.dtype)
         return f.get_tensor(name).to(device=device, dtype=dtype)
 
 
-def _logical_vocab(root: Path, config: dict[str, Any], rows: int) -> int:
-    unpadded = _config_value(config, "unpadded_vocab_size")
+def logical_vocab(root: Path, config: dict[str, Any], rows: int) -> int:
+    """Token ids the target can emit (module docstring: Logical vocabulary), <= `rows`."""
+    unpadded = config_value(config, "unpadded_vocab_size")
     if unpadded is not None:
         if not 0 < unpadded <= rows:
             raise ValueError(

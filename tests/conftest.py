@@ -17,6 +17,16 @@ os.environ.setdefault("HF_HOME", str(REPO / ".cache" / "hf"))
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
 
 
+SERVER_FIXTURES = {"sglang_server", "chunked_server"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test that needs a live server `server` (`make test-quick` leaves them out)."""
+    for item in items:
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.server)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module of tiny ops: on two shared cores a second OpenMP

@@ -1,4 +1,4 @@
-"""STS calibration (evaluation/calibrate.py) and the confidence verify budget
+"""STS calibration (decoding/calibration.py, decoding/sts.py) and the confidence verify budget
 (evaluation/budget.py) on synthetic steps: the fits recover known temperatures (and a
 known logit offset), the file loads with SGLang's own class, the export's confidence bias
 is shifted exactly, and the budget follows SGLang's rule."""
@@ -9,11 +9,9 @@ import pytest
 import torch
 
 from evaluation.budget import VerifyBudget, budget_from_survival, survival, verify_drafts
-from evaluation.calibrate import (
+from specforge_dspark.decoding.calibration import evaluate_sts, fit_sts, fit_sts_offset
+from specforge_dspark.decoding.sts import (
     BIAS_KEY,
-    evaluate_sts,
-    fit_sts,
-    fit_sts_offset,
     read_bias_shift,
     shift_confidence_bias,
     validate_sts_file,
@@ -83,10 +81,10 @@ def test_bias_shift_rewrites_only_the_confidence_bias(tmp_path):
     # the harness's uncalibrated budget takes the recorded shift off again
     from types import SimpleNamespace
 
-    from evaluation.acceptance import _budgets
+    from evaluation.budget import verify_budgets
 
     drafter = SimpleNamespace(config=SimpleNamespace(block_size=2))
-    budgets = _budgets(drafter, tmp_path, 0.1, None)
+    budgets = verify_budgets(drafter, tmp_path, 0.1, None)
     assert budgets["uncalibrated"].logit_offset == 0.375 and "calibrated" not in budgets
     raw = [0.3, -0.2]
     assert survival(raw, offset=0.375) == survival([z + 0.375 for z in raw])

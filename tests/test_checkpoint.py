@@ -10,6 +10,7 @@ import pytest
 
 from specforge_dspark.recipe import recipe_from_dict
 from specforge_dspark.training import checkpoint as ck
+from specforge_dspark.training import fingerprint
 
 
 def _fake(root, step, complete=True):
@@ -126,7 +127,10 @@ def _fingerprint(recipe):
     from data_pipelines.prepare import prepare_dataset
 
     dataset = prepare_dataset(recipe, split="train", progress=False)
-    return {"features": ck.features_fingerprint(recipe), "data": ck.data_fingerprint(dataset)}
+    return {
+        "features": fingerprint.features_fingerprint(recipe),
+        "data": fingerprint.data_fingerprint(dataset),
+    }
 
 
 def _saved(tmp_path, recipe):

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from evaluation import acceptance
-from evaluation.acceptance import LosslessError, evaluate, head_fns, main, run_workload
+from evaluation.acceptance import evaluate, main, run_workload
 from evaluation.metrics import step_stats
 from specforge_dspark.decoding.hf_target import HFTarget
+from specforge_dspark.decoding.loading import head_fns
 from specforge_dspark.decoding.prompts import parse_workload, render
-from specforge_dspark.decoding.spec_decode import speculative_generate
+from specforge_dspark.decoding.spec_decode import LosslessError, speculative_generate
 from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
 from specforge_dspark.engines.features import AuxTap
 from specforge_dspark.frozen_head import load_frozen_head
@@ -37,10 +38,12 @@ PRIMES = ["He has 3 + 5 =", "He has 3 + 5 = <<3+5=8>>8"]  # the target then ends
 
 
 class ScriptedDrafter:
-    """Proposes the first right(step) slots correctly and `wrong` for the rest."""
+    """Proposes the first right(step) slots correctly and `wrong` for the rest; G drafts
+    per block as DSpark, or `num_drafts` = G - 1 as DFlash."""
 
-    def __init__(self, seq: list[int] | None, wrong: int, right, block_size: int = G):
-        self.config = SimpleNamespace(block_size=block_size, target_layer_ids=LAYERS)
+    def __init__(self, seq: list[int] | None, wrong: int, right, num_drafts: int = G):
+        self.config = SimpleNamespace(block_size=G, target_layer_ids=LAYERS)
+        self.num_drafts = num_drafts
         self.seq, self.wrong, self.right = seq, wrong, right
         self.calls: list[dict] = []
 
@@ -48,7 +51,7 @@ class ScriptedDrafter:
         return aux_BSD.clone()  # identity, so tests can compare with target features
 
     def propose(self, ctx_1SH, ctx_len, bonus_token, embed_fn, logits_fn):
-        G_ = self.config.block_size
+        G_ = self.num_drafts
         assert ctx_1SH.shape[:2] == (1, ctx_len)
         n_right = min(self.right(len(self.calls)), G_)
         self.calls.append({"ctx_len": ctx_len, "bonus": bonus_token, "ctx": ctx_1SH})
@@ -151,6 +154,23 @@ def test_accounting_is_exact_and_lossless(target, prompts, references, wrong, ki
         if kind == "always_wrong":
             assert len(steps) == len(ref) - 1
             assert all(s.committed == 1 for s in steps)
+
+
+@pytest.mark.parametrize("max_new", [2, 9, 40])
+def test_dflash_shaped_blocks_run_through_the_same_loop(
+    target, prompts, references, wrong, max_new
+):
+    """G - 1 drafts per block (DFlash drafts from rows 1..G-1): each step verifies
+    [bonus, G - 1 drafts], accepts 0..G-1, and the accounting and output are the same."""
+    for ids, (full, uncut) in zip(prompts, references, strict=True):
+        drafter = ScriptedDrafter(ids + uncut, wrong, DRAFTERS["partial"], num_drafts=G - 1)
+        gen = speculative_generate(target, drafter, ids, max_new, _no_head, _no_head)
+        assert gen.tokens == full[:max_new]
+        steps = gen.steps
+        assert [s.accepted for s in steps] == [min(i % (G + 1), G - 1) for i in range(len(steps))]
+        assert all(len(s.drafts) == G - 1 for s in steps)
+        assert all(s.committed == s.accepted + 1 for s in steps[:-1])
+        assert 1 + sum(s.committed for s in steps) == len(gen.tokens)
 
 
 def test_oracle_accept_length_is_block_plus_one(target, prompts, references, wrong):
@@ -453,7 +473,7 @@ def test_cli_on_an_exported_draft(target, tiny_target_dir, tmp_path):
 def test_batched_references_match_and_a_wrong_one_is_redone_one_by_one(
     tiny_target_dir, tmp_path, shared_data
 ):
-    from evaluation.acceptance import greedy_references
+    from evaluation.references import greedy_references
     from specforge_dspark.decoding.ngram import NgramDrafter
 
     data = shared_data / "eval"

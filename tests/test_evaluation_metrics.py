@@ -7,9 +7,10 @@ import random
 
 import pytest
 
-from evaluation.metrics import auroc, calibration_pairs, ece, step_stats
+from evaluation.metrics import calibration_pairs, step_stats
+from specforge_dspark.decoding.calibration_metrics import auroc, ece
 from specforge_dspark.decoding.prompts import load_conversations, parse_workload
-from specforge_dspark.decoding.spec_decode import Step, _cut
+from specforge_dspark.decoding.spec_decode import Step, cut_new_tokens
 
 
 def _naive_auroc(conf, label):
@@ -66,11 +67,11 @@ def test_step_stats_exact():
 
 def test_cut_at_eos_and_budget():
     eos = {7}
-    assert _cut([1, 2, 3], eos, 10) == ([1, 2, 3], False)
-    assert _cut([1, 7, 3], eos, 10) == ([1, 7], True)
-    assert _cut([1, 2, 3], eos, 2) == ([1, 2], True)
-    assert _cut([1, 2, 3], eos, 3) == ([1, 2, 3], True)
-    assert _cut([1, 2, 7], eos, 2) == ([1, 2], True)
+    assert cut_new_tokens([1, 2, 3], eos, 10) == ([1, 2, 3], False)
+    assert cut_new_tokens([1, 7, 3], eos, 10) == ([1, 7], True)
+    assert cut_new_tokens([1, 2, 3], eos, 2) == ([1, 2], True)
+    assert cut_new_tokens([1, 2, 3], eos, 3) == ([1, 2, 3], True)
+    assert cut_new_tokens([1, 2, 7], eos, 2) == ([1, 2], True)
 
 
 def test_loader_by_field_skips_bad_rows(tmp_path):

@@ -20,9 +20,12 @@ from specforge_dspark.drafters.dspark import (
     DSparkDraft,
     build_visibility_mask,
 )
-from specforge_dspark.export import core as export
+from specforge_dspark.export import ExportError
+from specforge_dspark.export.cli import export_checkpoint, main
+from specforge_dspark.export.conventions import CONVENTIONS_KEY, check_conventions
+from specforge_dspark.export.dspark import export_draft, export_for_recipe
 from specforge_dspark.frozen_head import FrozenHead, load_frozen_head
-from specforge_dspark.objective.dspark import build_blocks
+from specforge_dspark.objective.blocks import build_blocks
 from specforge_dspark.recipe import DraftRecipe, Recipe
 from tests.helpers import TINY_DRAFT
 from tests.sglang_shim import import_sglang
@@ -85,7 +88,7 @@ def sglang(name: str):
 
 def test_sglang_config_passes_sglangs_own_parsing(tmp_path):
     cfg = DSparkConfig(**TINY)
-    out = export.export_draft(trained(cfg), cfg, tmp_path / "sglang", "sglang")
+    out = export_draft(trained(cfg), cfg, tmp_path / "sglang", "sglang")
     raw = json.loads((out / "config.json").read_text())
     assert raw["architectures"] == ["Qwen3DSparkModel"] and raw["model_type"] == "qwen3"
     assert raw["tie_word_embeddings"] is False
@@ -126,7 +129,7 @@ def _sglang_model(hf_config, monkeypatch, ragged_mode: str):
         return dspark.Qwen3DSparkModel(hf_config)
 
 
-def _unpacked_params(model) -> dict[str, tuple[int, ...]]:
+def unpacked_params(model) -> dict[str, tuple[int, ...]]:
     """Checkpoint names and shapes SGLang's load_weights maps onto the model's parameters
     (the inverse of its stacked_params_mapping: qkv_proj <- q/k/v, gate_up_proj <- gate/up)."""
     want = {}
@@ -149,7 +152,7 @@ def _unpacked_params(model) -> dict[str, tuple[int, ...]]:
 def test_sglang_tensors_are_exactly_what_its_dspark_model_loads(tmp_path, monkeypatch, ragged_mode):
     cfg = DSparkConfig(**TINY)
     draft = trained(cfg)
-    out = export.export_draft(draft, cfg, tmp_path / "sglang", "sglang")
+    out = export_draft(draft, cfg, tmp_path / "sglang", "sglang")
     hf_config = sglang("sglang.srt.utils.hf_transformers.config").get_config(
         str(out), trust_remote_code=False
     )
@@ -157,7 +160,7 @@ def test_sglang_tensors_are_exactly_what_its_dspark_model_loads(tmp_path, monkey
     ours = load_file(str(out / "model.safetensors"))
     assert all(t.dtype == torch.bfloat16 for t in ours.values())
 
-    want = _unpacked_params(model)
+    want = unpacked_params(model)
     if ragged_mode == "static":  # its loader skips confidence_head.* without a head
         assert model.confidence_head is None
         want["confidence_head.proj.weight"] = (1, cfg.hidden_size + cfg.markov_rank)
@@ -191,11 +194,11 @@ def test_reloaded_export_reproduces_the_trained_logits(tmp_path):
     args = inputs(cfg, S=14, anchors=[0, 4, 9, 12])
     want, want_conf = our_logits(draft, head, *args)
 
-    fp32 = export.export_draft(draft, cfg, tmp_path / "fp32", "sglang", dtype=torch.float32)
+    fp32 = export_draft(draft, cfg, tmp_path / "fp32", "sglang", dtype=torch.float32)
     got, got_conf = our_logits(DSparkDraft.from_pretrained(fp32), head, *args)
     assert torch.equal(got, want) and torch.equal(got_conf, want_conf)
 
-    bf16 = export.export_draft(draft, cfg, tmp_path / "bf16", "sglang")
+    bf16 = export_draft(draft, cfg, tmp_path / "bf16", "sglang")
     got, got_conf = our_logits(DSparkDraft.from_pretrained(bf16), head, *args)
     # Exactly the trained draft with its weights rounded to bf16 ...
     ref, ref_conf = our_logits(bf16_rounded(draft), head, *args)
@@ -210,14 +213,14 @@ def test_export_refuses_weights_that_do_not_fit(tmp_path):
     cfg = DSparkConfig(**TINY)
     state = trained(cfg).state_dict()
     state["layers.0.self_attn.qkv_proj.weight"] = state.pop("layers.0.self_attn.q_proj.weight")
-    with pytest.raises(export.ExportError, match="qkv_proj"):
-        export.export_draft(state, cfg, tmp_path / "x", "sglang")
-    with pytest.raises(export.ExportError, match="format"):
-        export.export_draft(trained(cfg), cfg, tmp_path / "x", "onnx")
+    with pytest.raises(ExportError, match="qkv_proj"):
+        export_draft(state, cfg, tmp_path / "x", "sglang")
+    with pytest.raises(ExportError, match="format"):
+        export_draft(trained(cfg), cfg, tmp_path / "x", "onnx")
     partitioned = trained(cfg)  # what a ZeRO-3 engine's module holds outside a gather
     partitioned.fc.weight = torch.nn.Parameter(torch.empty(0))
-    with pytest.raises(export.ExportError, match="partitioned"):
-        export.export_draft(partitioned, cfg, tmp_path / "x", "sglang")
+    with pytest.raises(ExportError, match="partitioned"):
+        export_draft(partitioned, cfg, tmp_path / "x", "sglang")
     assert not (tmp_path / "x").exists()
 
 
@@ -291,11 +294,11 @@ def test_speculators_export_loads_in_speculators_and_matches_our_logits(
 ):
     cfg = target_draft_config(tiny_target_dir)
     draft = trained(cfg, seed=1)
-    sglang_dir = export.export_draft(
+    sglang_dir = export_draft(
         draft, cfg, tmp_path / "sglang", "sglang", target_path=tiny_target_dir
     )
     # the re-export path: SGLang directory -> speculators ("full" by default)
-    out = export.export_checkpoint(
+    out = export_checkpoint(
         sglang_dir,
         "speculators",
         tmp_path / "spec",
@@ -330,7 +333,7 @@ def test_speculators_export_loads_in_speculators_and_matches_our_logits(
         conf, conf_trained = (t["confidence_head.proj.weight"] for t in (stored, trained_bf16))
         assert torch.equal(conf[:, :H], conf_trained[:, :H] * 4)
         assert torch.equal(conf[:, H:], conf_trained[:, H:])
-        assert raw[export.CONVENTIONS_KEY]["mup_folded_into"] == "norm.weight"
+        assert raw[CONVENTIONS_KEY]["mup_folded_into"] == "norm.weight"
         columns = None
     else:  # the 1024 ids the target can emit, the head / mup stored
         assert raw["draft_vocab_size"] == 1024
@@ -338,11 +341,11 @@ def test_speculators_export_loads_in_speculators_and_matches_our_logits(
         assert torch.equal(stored["d2t"], torch.zeros(1024, dtype=torch.long))
         assert stored["markov_head.markov_w2.weight"].shape == (1024, R)
         assert torch.equal(stored["norm.weight"], trained_bf16["norm.weight"])
-        assert raw[export.CONVENTIONS_KEY]["mup_folded_into"] == "lm_head.weight"
+        assert raw[CONVENTIONS_KEY]["mup_folded_into"] == "lm_head.weight"
         # The LM head is stored in bf16 (mup 4 is a power of two: the fold is exact).
         head = FrozenHead(head.embed_weight, head.lm_head_weight.bfloat16().float(), 1024, 4.0)
         columns = 1024
-    assert raw[export.CONVENTIONS_KEY]["speculators_vocab"] == vocab
+    assert raw[CONVENTIONS_KEY]["speculators_vocab"] == vocab
 
     model = load_in_speculators(out)
     if vocab == "full":
@@ -386,13 +389,13 @@ def test_speculators_export_of_an_unpadded_target_uses_the_verifier_head(
     cfg = DSparkConfig(**{**TINY, "markov_head_type": markov_head_type})
     draft = trained(cfg, seed=2)
     target = plain_target(tmp_path / "target", cfg, mup=mup)
-    out = export.export_draft(draft, cfg, tmp_path / "spec", "speculators", "org/t", target)
+    out = export_draft(draft, cfg, tmp_path / "spec", "speculators", "org/t", target)
     raw = json.loads((out / "config.json").read_text())
     assert raw["draft_vocab_size"] == cfg.vocab_size
     assert raw["speculators_config"]["verifier"]["name_or_path"] == "org/t"
     stored = load_file(str(out / "model.safetensors"))
     assert stored.keys() == draft.state_dict().keys()  # exactly the SGLang names
-    assert raw[export.CONVENTIONS_KEY]["mup_folded_into"] == (mup and "norm.weight")
+    assert raw[CONVENTIONS_KEY]["mup_folded_into"] == (mup and "norm.weight")
 
     raw["speculators_config"]["verifier"]["name_or_path"] = str(target)  # load it locally
     (out / "config.json").write_text(json.dumps(raw))
@@ -412,8 +415,8 @@ def test_speculators_export_refusals(tmp_path):
     cfg = DSparkConfig(**TINY)
     draft = trained(cfg, seed=2)
     mup_target = plain_target(tmp_path / "mup", cfg, mup=2.0)
-    with pytest.raises(export.ExportError, match="muP multiplier 2.0 and no padded"):
-        export.export_draft(
+    with pytest.raises(ExportError, match="muP multiplier 2.0 and no padded"):
+        export_draft(
             draft,
             cfg,
             tmp_path / "x",
@@ -421,8 +424,8 @@ def test_speculators_export_refusals(tmp_path):
             target_path=mup_target,
             speculators_vocab="reduced",
         )
-    with pytest.raises(export.ExportError, match="speculators_vocab"):
-        export.export_draft(
+    with pytest.raises(ExportError, match="speculators_vocab"):
+        export_draft(
             draft,
             cfg,
             tmp_path / "x",
@@ -430,11 +433,11 @@ def test_speculators_export_refusals(tmp_path):
             target_path=mup_target,
             speculators_vocab="pruned",
         )
-    with pytest.raises(export.ExportError, match="target directory"):
-        export.export_draft(draft, cfg, tmp_path / "x", "speculators")
-    spec = export.export_draft(draft, cfg, tmp_path / "spec", "speculators", target_path=mup_target)
-    with pytest.raises(export.ExportError, match="speculators export cannot be read back"):
-        export.export_checkpoint(spec, "sglang", tmp_path / "x")
+    with pytest.raises(ExportError, match="target directory"):
+        export_draft(draft, cfg, tmp_path / "x", "speculators")
+    spec = export_draft(draft, cfg, tmp_path / "spec", "speculators", target_path=mup_target)
+    with pytest.raises(ExportError, match="speculators export cannot be read back"):
+        export_checkpoint(spec, "sglang", tmp_path / "x")
     assert not (tmp_path / "x").exists()
 
 
@@ -443,7 +446,7 @@ def test_export_for_recipe_writes_every_configured_format(tmp_path, tiny_target_
     recipe = Recipe()
     recipe.target.path = str(tiny_target_dir)
     recipe.train.output_dir = str(tmp_path / "run")
-    dirs = export.export_for_recipe(trained(cfg), recipe)
+    dirs = export_for_recipe(trained(cfg), recipe)
     assert dirs == [
         tmp_path / "run" / "export" / "sglang",
         tmp_path / "run" / "export" / "speculators",
@@ -453,7 +456,7 @@ def test_export_for_recipe_writes_every_configured_format(tmp_path, tiny_target_
     assert raw["speculators_model_type"] == "dspark" and raw["draft_vocab_size"] == 1088
     recipe.export.speculators_vocab = "reduced"
     recipe.export.formats = ["speculators"]
-    (out,) = export.export_for_recipe(trained(cfg), recipe)
+    (out,) = export_for_recipe(trained(cfg), recipe)
     assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 1024
 
 
@@ -503,12 +506,10 @@ def test_both_exports_record_the_conventions_and_their_loaders_accept_them(
 ):
     cfg = target_draft_config(tiny_target_dir)
     draft = trained(cfg)
-    sglang_dir = export.export_draft(draft, cfg, tmp_path / "sg", "sglang", None, tiny_target_dir)
-    spec_dir = export.export_draft(
-        draft, cfg, tmp_path / "sp", "speculators", None, tiny_target_dir
-    )
-    sg = json.loads((sglang_dir / "config.json").read_text())[export.CONVENTIONS_KEY]
-    sp = json.loads((spec_dir / "config.json").read_text())[export.CONVENTIONS_KEY]
+    sglang_dir = export_draft(draft, cfg, tmp_path / "sg", "sglang", None, tiny_target_dir)
+    spec_dir = export_draft(draft, cfg, tmp_path / "sp", "speculators", None, tiny_target_dir)
+    sg = json.loads((sglang_dir / "config.json").read_text())[CONVENTIONS_KEY]
+    sp = json.loads((spec_dir / "config.json").read_text())[CONVENTIONS_KEY]
     assert sg == {**TINY_INKLING_CONVENTIONS, "mup_folded_into": None}
     assert sp == {
         **TINY_INKLING_CONVENTIONS,
@@ -516,21 +517,21 @@ def test_both_exports_record_the_conventions_and_their_loaders_accept_them(
         "mup_folded_into": "norm.weight",
     }
     # without a target, the target's facts are unknown (null), the draft's are recorded
-    bare = export.export_draft(draft, cfg, tmp_path / "bare", "sglang")
-    rec = json.loads((bare / "config.json").read_text())[export.CONVENTIONS_KEY]
+    bare = export_draft(draft, cfg, tmp_path / "bare", "sglang")
+    rec = json.loads((bare / "config.json").read_text())[CONVENTIONS_KEY]
     assert rec["tap_convention"] is rec["logical_vocab"] is rec["mup_multiplier"] is None
     assert rec["mask_token_id"] == 9 and rec["vocab_rows"] == 1088
     # ... and re-exporting it with the target fills them in
-    again = export.export_checkpoint(bare, "sglang", tmp_path / "again", tiny_target_dir)
-    assert json.loads((again / "config.json").read_text())[export.CONVENTIONS_KEY] == sg
+    again = export_checkpoint(bare, "sglang", tmp_path / "again", tiny_target_dir)
+    assert json.loads((again / "config.json").read_text())[CONVENTIONS_KEY] == sg
     # ... and a re-export without a target keeps what the source recorded
-    kept = export.export_checkpoint(sglang_dir, "sglang", tmp_path / "kept")
-    assert json.loads((kept / "config.json").read_text())[export.CONVENTIONS_KEY] == sg
+    kept = export_checkpoint(sglang_dir, "sglang", tmp_path / "kept")
+    assert json.loads((kept / "config.json").read_text())[CONVENTIONS_KEY] == sg
 
     assert DSparkDraft.from_pretrained(sglang_dir).config == cfg
     speculators = importlib.import_module("speculators.models.dspark")
     config = speculators.DSparkSpeculatorConfig.from_pretrained(spec_dir)
-    assert getattr(config, export.CONVENTIONS_KEY) == sp
+    assert getattr(config, CONVENTIONS_KEY) == sp
     hf_config = sglang("sglang.srt.utils.hf_transformers.config").get_config(
         str(sglang_dir), trust_remote_code=False
     )
@@ -552,12 +553,12 @@ def test_reexport_for_a_target_with_other_conventions_is_refused(
     tmp_path, tiny_target_dir, change, message, fmt
 ):
     cfg = target_draft_config(tiny_target_dir)
-    made = export.export_draft(trained(cfg), cfg, tmp_path / "sg", "sglang", None, tiny_target_dir)
+    made = export_draft(trained(cfg), cfg, tmp_path / "sg", "sglang", None, tiny_target_dir)
     other = target_variant(tmp_path / "other", tiny_target_dir, **change)
-    with pytest.raises(export.ExportError, match=message):
-        export.export_checkpoint(made, fmt, tmp_path / "x", target_path=other)
+    with pytest.raises(ExportError, match=message):
+        export_checkpoint(made, fmt, tmp_path / "x", target_path=other)
     assert (
-        export.main(
+        main(
             [
                 "--checkpoint",
                 str(made),
@@ -576,39 +577,37 @@ def test_reexport_for_a_target_with_other_conventions_is_refused(
 
 def test_check_conventions_refuses_a_start_point_made_for_other_settings(tmp_path, tiny_target_dir):
     cfg = target_draft_config(tiny_target_dir)
-    out = export.export_draft(trained(cfg), cfg, tmp_path / "sg", "sglang", None, tiny_target_dir)
+    out = export_draft(trained(cfg), cfg, tmp_path / "sg", "sglang", None, tiny_target_dir)
     recipe = Recipe(draft=draft_recipe_of(cfg))
     recipe.target.path = str(tiny_target_dir)
-    export.check_conventions(out, recipe)  # agrees
+    check_conventions(out, recipe)  # agrees
 
     recipe.draft.mask_token_id = 10
-    with pytest.raises(export.ExportError, match="mask_token_id is 9 in .* but 10"):
-        export.check_conventions(out, recipe)
+    with pytest.raises(ExportError, match="mask_token_id is 9 in .* but 10"):
+        check_conventions(out, recipe)
     recipe.draft.mask_token_id = 9
     other = target_variant(tmp_path / "other", tiny_target_dir, use_sconv=False)
     recipe.target.path = str(other)
-    with pytest.raises(export.ExportError, match="tap_convention"):
-        export.check_conventions(out, recipe)
+    with pytest.raises(ExportError, match="tap_convention"):
+        check_conventions(out, recipe)
     recipe.target.path = str(tiny_target_dir)
     # against a target alone (evaluation): only the target's facts
-    export.check_conventions(out, target_path=tiny_target_dir)
-    with pytest.raises(export.ExportError, match="tap_convention is 'pre_mlp_sconv' in .* but"):
-        export.check_conventions(out, target_path=other)
+    check_conventions(out, target_path=tiny_target_dir)
+    with pytest.raises(ExportError, match="tap_convention is 'pre_mlp_sconv' in .* but"):
+        check_conventions(out, target_path=other)
 
     raw = json.loads((out / "config.json").read_text())
-    raw[export.CONVENTIONS_KEY]["format_version"] = 2
+    raw[CONVENTIONS_KEY]["format_version"] = 2
     (out / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(export.ExportError, match="format_version is 2 in .* but 1"):
-        export.check_conventions(out, recipe)
+    with pytest.raises(ExportError, match="format_version is 2 in .* but 1"):
+        check_conventions(out, recipe)
     # a drafter without the record (published elsewhere): what its config root serves counts
-    raw.pop(export.CONVENTIONS_KEY)
+    raw.pop(CONVENTIONS_KEY)
     (out / "config.json").write_text(json.dumps(raw))
-    export.check_conventions(out, recipe)
+    check_conventions(out, recipe)
     recipe.draft.target_layer_ids = [1, 2]
-    with pytest.raises(
-        export.ExportError, match=r"target_layer_ids is \[0, 2\] in .* but \[1, 2\]"
-    ):
-        export.check_conventions(out, recipe)
+    with pytest.raises(ExportError, match=r"target_layer_ids is \[0, 2\] in .* but \[1, 2\]"):
+        check_conventions(out, recipe)
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -635,7 +634,7 @@ def fake_training_checkpoint(
 
 
 def cli(checkpoint: Path, out: Path) -> int:
-    return export.main(["--checkpoint", str(checkpoint), "--format", "sglang", "--out", str(out)])
+    return main(["--checkpoint", str(checkpoint), "--format", "sglang", "--out", str(out)])
 
 
 def test_export_from_a_training_checkpoint_and_refusal_of_an_incomplete_one(tmp_path, capsys):
@@ -650,17 +649,17 @@ def test_export_from_a_training_checkpoint_and_refusal_of_an_incomplete_one(tmp_
         DSparkConfig(**TINY)
     )
     # the checkpoint root resolves to its latest complete step
-    export.export_checkpoint(step.parent, "sglang", tmp_path / "b")
+    export_checkpoint(step.parent, "sglang", tmp_path / "b")
     with safe_open(str(tmp_path / "b" / "model.safetensors"), "pt") as f:
         assert torch.equal(f.get_tensor("fc.weight"), got["fc.weight"])
 
     (step / "COMPLETE").unlink()
-    with pytest.raises(export.ExportError, match="incomplete checkpoint"):
-        export.export_checkpoint(step, "sglang", tmp_path / "c")
+    with pytest.raises(ExportError, match="incomplete checkpoint"):
+        export_checkpoint(step, "sglang", tmp_path / "c")
     assert cli(step, tmp_path / "c") == 2
     assert "incomplete checkpoint" in capsys.readouterr().err
-    with pytest.raises(export.ExportError, match="no complete step-N"):
-        export.export_checkpoint(step.parent, "sglang", tmp_path / "c")
+    with pytest.raises(ExportError, match="no complete step-N"):
+        export_checkpoint(step.parent, "sglang", tmp_path / "c")
     assert not (tmp_path / "c").exists()
 
 
@@ -670,25 +669,23 @@ def test_training_checkpoint_conventions_and_the_speculators_vocab_flag(
     fields = dataclasses.asdict(draft_recipe_of(target_draft_config(tiny_target_dir)))
     step = fake_training_checkpoint(tmp_path / "run", fields, tap="pre_mlp_sconv")
     args = ["--checkpoint", str(step), "--target", str(tiny_target_dir), "--out"]
-    assert export.main([*args, str(tmp_path / "sg"), "--format", "sglang"]) == 0
-    rec = json.loads((tmp_path / "sg" / "config.json").read_text())[export.CONVENTIONS_KEY]
+    assert main([*args, str(tmp_path / "sg"), "--format", "sglang"]) == 0
+    rec = json.loads((tmp_path / "sg" / "config.json").read_text())[CONVENTIONS_KEY]
     assert rec == {**TINY_INKLING_CONVENTIONS, "mup_folded_into": None}
     argv = [*args, str(tmp_path / "sp"), "--format", "speculators", "--speculators-vocab"]
-    assert export.main([*argv, "reduced"]) == 0
+    assert main([*argv, "reduced"]) == 0
     raw = json.loads((tmp_path / "sp" / "config.json").read_text())
-    assert raw["draft_vocab_size"] == 1024 and raw[export.CONVENTIONS_KEY]["speculators_vocab"] == (
+    assert raw["draft_vocab_size"] == 1024 and raw[CONVENTIONS_KEY]["speculators_vocab"] == (
         "reduced"
     )
     assert (
-        export.main(
-            [*args, str(tmp_path / "sg2"), "--format", "sglang", "--speculators-vocab", "full"]
-        )
+        main([*args, str(tmp_path / "sg2"), "--format", "sglang", "--speculators-vocab", "full"])
         == 0
     )
     assert "--speculators-vocab is ignored" in capsys.readouterr().err
 
     # features taken with another tap than the target at hand has
     other = fake_training_checkpoint(tmp_path / "other", fields, tap="layer_output")
-    with pytest.raises(export.ExportError, match="tap_convention is 'layer_output' in .* but"):
-        export.export_checkpoint(other, "sglang", tmp_path / "x", target_path=tiny_target_dir)
+    with pytest.raises(ExportError, match="tap_convention is 'layer_output' in .* but"):
+        export_checkpoint(other, "sglang", tmp_path / "x", target_path=tiny_target_dir)
     assert not (tmp_path / "x").exists()

@@ -10,11 +10,14 @@ import torch
 from safetensors.torch import load_file
 
 from specforge_dspark.drafters.dflash import DFlashConfig, DFlashDraft
-from specforge_dspark.export import core as export
+from specforge_dspark.export import ExportError
 from specforge_dspark.export import dflash as export_dflash
+from specforge_dspark.export.cli import export_checkpoint
+from specforge_dspark.export.conventions import CONVENTIONS_KEY
+from specforge_dspark.export.source import checkpoint_kind
 from tests.sglang_shim import import_sglang
 from tests.test_dflash import TINY
-from tests.test_export import _unpacked_params
+from tests.test_export import unpacked_params
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,7 +42,7 @@ def test_config_passes_sglangs_dflash_parsing(tmp_path):
     out = export_dflash.export_dflash(trained(cfg), None, tmp_path / "dflash")
     raw = json.loads((out / "config.json").read_text())
     assert raw["architectures"] == ["DFlashDraftModel"] and "speculators_model_type" not in raw
-    assert raw[export.CONVENTIONS_KEY]["slot_convention"] == export_dflash.SLOT_CONVENTION
+    assert raw[CONVENTIONS_KEY]["slot_convention"] == export_dflash.SLOT_CONVENTION
 
     hf_config = _hf_config(out)
     utils = import_sglang("sglang.srt.speculative.dflash_utils")
@@ -73,7 +76,7 @@ def test_tensors_are_exactly_what_sglangs_dflash_model_loads(tmp_path, monkeypat
         model = dflash.DFlashDraftModel(_hf_config(out))
     ours = load_file(str(out / "model.safetensors"))
     assert all(t.dtype == torch.bfloat16 for t in ours.values())
-    assert {k: tuple(v.shape) for k, v in ours.items()} == _unpacked_params(model)
+    assert {k: tuple(v.shape) for k, v in ours.items()} == unpacked_params(model)
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(float("nan"))
@@ -91,8 +94,8 @@ def test_tensors_are_exactly_what_sglangs_dflash_model_loads(tmp_path, monkeypat
 def test_checkpoint_kind_and_reexport(tmp_path):
     cfg = DFlashConfig(**TINY)
     out = export_dflash.export_dflash(trained(cfg), None, tmp_path / "a", dtype=torch.float32)
-    assert export_dflash.checkpoint_kind(out) == "dflash"
-    again = export.export_checkpoint(out, "sglang", tmp_path / "b")
+    assert checkpoint_kind(out) == "dflash"
+    again = export_checkpoint(out, "sglang", tmp_path / "b")
     assert DFlashDraft.from_pretrained(again).config == cfg
-    with pytest.raises(export.ExportError, match="only as sglang"):
-        export.export_checkpoint(out, "speculators", tmp_path / "c")
+    with pytest.raises(ExportError, match="only as sglang"):
+        export_checkpoint(out, "speculators", tmp_path / "c")

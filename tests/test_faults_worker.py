@@ -45,6 +45,7 @@ def reference(tiny_target_dir):
         return _features(s)
 
 
+@pytest.mark.slow
 def test_killed_then_hung_worker_is_restarted_and_features_are_unchanged(
     reference, tiny_target_dir
 ):

@@ -21,12 +21,8 @@ import torch.nn.functional as F
 
 from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
 from specforge_dspark.frozen_head import FrozenHead
-from specforge_dspark.objective.dspark import (
-    build_blocks,
-    compute_loss,
-    compute_loss_at,
-    sample_anchors,
-)
+from specforge_dspark.objective.blocks import build_blocks, sample_anchors
+from specforge_dspark.objective.dspark import compute_loss, compute_loss_at
 from specforge_dspark.recipe import ObjectiveRecipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -382,7 +378,7 @@ def test_tau_averages_per_block_accept_lengths(monkeypatch):
     """Uneven blocks (4, 2 and 3 supervised slots) with scripted greedy matches: tau is
     the mean over blocks of 1 + (leading matches among the block's supervised slots); the
     former per-slot-mean value differs."""
-    from specforge_dspark.objective import dspark as objective
+    from specforge_dspark.objective import vocab_loss
 
     ids = torch.arange(10)[None] % L
     mask = torch.ones(1, 10, dtype=torch.long)
@@ -393,15 +389,15 @@ def test_tau_averages_per_block_accept_lengths(monkeypatch):
     match_XG = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.float32)
     eval_mask = build_blocks(ids, mask, anchors, valid, G, MASK, 4.0).eval_mask_BNG[0]
     assert eval_mask.sum(-1).tolist() == [4, 2, 3]
-    assert objective.accepted_drafts(match_XG, eval_mask).tolist() == [2, 0, 3]
-    real = objective._vocab_chunk
+    assert vocab_loss.accepted_drafts(match_XG, eval_mask).tolist() == [2, 0, 3]
+    real = vocab_loss.vocab_chunk
 
     def scripted(plan, sl, *rest):
         stats, grads = real(plan, sl, *rest)
         stats[2], stats[5] = match_XG[sl], match_XG[sl]  # alpha and top1
         return stats, grads
 
-    monkeypatch.setattr(objective, "_vocab_chunk", scripted)
+    monkeypatch.setattr(vocab_loss, "vocab_chunk", scripted)
     draft, head = make_models()
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -588,16 +584,16 @@ def test_softcapped_teacher_matches_reference():
 
 def test_bf16_teacher_logits_reach_the_loss_in_float32(monkeypatch):
     """The teacher's softmax sees the target's float32 logits, not bf16-rounded ones."""
-    from specforge_dspark.objective import dspark as objective
+    from specforge_dspark.objective import vocab_loss
 
     seen = []
-    real = objective.slot_terms_
+    real = vocab_loss.slot_terms_
 
     def spy(logits_ML, conf_M, teacher_logits_ML, *rest):
         seen.append(teacher_logits_ML.clone())
         return real(logits_ML, conf_M, teacher_logits_ML, *rest)
 
-    monkeypatch.setattr(objective, "slot_terms_", spy)
+    monkeypatch.setattr(vocab_loss, "slot_terms_", spy)
     draft, head = make_models()
     batch = make_batch()
     run(*to16(draft, head, batch), anchors_for(batch))
@@ -609,17 +605,17 @@ def test_bf16_teacher_logits_reach_the_loss_in_float32(monkeypatch):
 def test_bf16_parameter_gradients_are_summed_over_chunks_in_float32(monkeypatch):
     """One block per chunk (64 chunks): each parameter's gradient is the exact sum of the
     chunks' bf16 gradients rounded once to bf16; a bf16 running sum is off by ~4e-3."""
-    from specforge_dspark.objective import dspark as objective
+    from specforge_dspark.objective import vocab_loss
 
     per_chunk = []
-    real = objective._vocab_chunk
+    real = vocab_loss.vocab_chunk
 
     def spy(*args):
         stats, grads = real(*args)
         per_chunk.append([None if g is None else g.double() for g in grads[1:]])
         return stats, grads
 
-    monkeypatch.setattr(objective, "_vocab_chunk", spy)
+    monkeypatch.setattr(vocab_loss, "vocab_chunk", spy)
     draft, head = make_models()
     d16, h16, b16 = to16(draft, head, make_batch())
     obj = ObjectiveRecipe(**{**OBJ.__dict__, "num_anchors": 16, "chunk_size": 1})
@@ -662,7 +658,7 @@ def test_bench_dispatch_reports_a_missing_benchmark(monkeypatch, capsys):
 
 
 def test_bench_objective_runs_each_block_size_and_reports_the_rss_ratio(monkeypatch, capsys):
-    from specforge_dspark import bench
+    from specforge_dspark.bench import objective as bench_objective
 
     seen = []
 
@@ -673,9 +669,9 @@ def test_bench_objective_runs_each_block_size_and_reports_the_rss_ratio(monkeypa
         line = f"objective kind=x G={G} anchors={n} chunk=32 peak_rss_mb={1000 * G + n}"
         return types.SimpleNamespace(returncode=0, stdout=line + "\n", stderr="")
 
-    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    monkeypatch.setattr(bench_objective.subprocess, "run", fake_run)
     argv = ["--anchors", "32", "256", "--chunks", "32", "--block-sizes", "7", "16"]
-    assert bench.objective_main([*argv, "--kind", "dflash"]) == 0
+    assert bench_objective.bench_main([*argv, "--kind", "dflash"]) == 0
     assert seen == [("dflash", 7, 32), ("dflash", 7, 256), ("dflash", 16, 32), ("dflash", 16, 256)]
     out = capsys.readouterr().out
     assert "G=16 chunk=32 rss_ratio anchors 256/32 = 1.014" in out  # 16256 / 16032

@@ -13,7 +13,8 @@ import torch
 import train
 from specforge_dspark.drafters.dspark import DSparkConfig
 from specforge_dspark.drafters.registry import new_draft
-from specforge_dspark.export import core as export
+from specforge_dspark.export.conventions import CONVENTIONS_KEY
+from specforge_dspark.export.speculators import speculators_config
 from specforge_dspark.recipe import RecipeError, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,7 +83,7 @@ def test_inkling_small_speculators_config_is_the_published_drafters(tmp_path):
 
     recipe = load_recipe(REPO / "recipes/inkling_small_nvfp4.yaml")
     cfg = DSparkConfig.from_recipe(recipe.draft)
-    raw = export.speculators_config(
+    raw = speculators_config(
         cfg,
         draft_vocab_size=recipe.draft.vocab_size,  # full: every LM-head row, no d2t
         target_hidden_size=recipe.draft.hidden_size,
@@ -109,7 +110,7 @@ def test_inkling_small_speculators_config_is_the_published_drafters(tmp_path):
     }
     assert got == PUBLISHED_SMALL
     assert parsed.sample_from_anchor is True
-    assert raw[export.CONVENTIONS_KEY]["speculators_vocab"] == "full"  # no t2d / d2t
+    assert raw[CONVENTIONS_KEY]["speculators_vocab"] == "full"  # no t2d / d2t
 
 
 def test_layer_id_mapping_is_speculators_own(tmp_path):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evaluation.acceptance import head_fns
+from specforge_dspark.decoding.loading import head_fns
 from specforge_dspark.decoding.sampling import SamplingTarget, sample_continuations, target_probs
 from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
 from specforge_dspark.frozen_head import load_frozen_head

@@ -40,7 +40,7 @@ def trained_export(tiny_qwen3_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def calibrated_export(trained_export, tiny_qwen3_dir, tmp_path_factory) -> Path:
     """The trained export with sts_calibration.json (evaluation/calibrate.py) inside."""
-    from evaluation.calibrate import calibrate_export
+    from specforge_dspark.decoding.calibration import calibrate_export
 
     out = tmp_path_factory.mktemp("calibration")
     calibrate_export(

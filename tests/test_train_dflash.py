@@ -1,8 +1,14 @@
 """End to end on CPU for the two new tiny recipes (torchrun, 2 gloo ranks, live hf target):
 DFlash block 16 trains on on-policy data (the target's own answers), exports the SGLang
-DFLASH layout, and beats its untrained drafter by real (lossless) speculative decoding by
-at least 0.1 accept length; the Inkling-Small DSpark variant (block 16)
-trains and its speculators export loads in speculators 0.9.0."""
+DFLASH layout, and beats its untrained drafter by real (lossless) speculative decoding on
+the prompts whose answers it trained on; the Inkling-Small DSpark variant (block 16)
+trains and its speculators export loads in speculators 0.9.0.
+
+Why those prompts: what this test guards is the path train -> export -> decode (a slot,
+tap or layout mismatch serves ~1.0 whatever the training). On four held-out GSM8K prompts
+a 60-step drafter sat at 1.08-1.17 against 1.00-1.01 untrained, and a margin of 0.1 failed
+on a target build from another machine (issue 24). On its own training prompts the
+signal is the drafter having learnt the target's answers, far above any build's noise."""
 
 from __future__ import annotations
 
@@ -52,14 +58,14 @@ def test_tiny_dflash_trains_exports_and_beats_its_untrained_drafter(tmp_path, ti
     drafter (no Markov head: the bonus token reaches a draft row only through attention)
     stays at the unigram mode for hundreds of steps, so it trains on-policy here, on the
     target's own answers, as DFlash drafters are trained; the served text is that too."""
-    from evaluation.dflash_decode import decode_prompts
-    from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
+    from evaluation.decode import decode_prompts
+    from specforge_dspark.decoding.prompts import render
     from specforge_dspark.drafters.registry import new_draft
     from specforge_dspark.recipe import load_recipe
     from tests.sglang_shim import import_sglang
 
     data = _regenerate(tmp_path / "regen.jsonl", 48, 64)
-    steps = 60
+    steps = 100
     _train(
         "recipes/tiny_cpu_dflash.yaml", tmp_path / "run", steps, 29741, "optim.lr=0.005",
         f"data.train_files=[{data}]", "data.format=messages", "data.eval_files=[]",
@@ -77,8 +83,9 @@ def test_tiny_dflash_trains_exports_and_beats_its_untrained_drafter(tmp_path, ti
 
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(tiny_target_dir)
-    convs = load_conversations(parse_workload("gsm8k"), 4)
-    prompts = [render(tok, [{"role": "user", "content": c.turns[0]}]) for c in convs]
+    rows = [json.loads(line) for line in data.read_text().splitlines()][:6]
+    prompts = [render(tok, [r["messages"][0]]) for r in rows]  # the trained user turns
+    assert all(r["messages"][0]["role"] == "user" for r in rows)
     torch.manual_seed(0)
     untrained = new_draft(load_recipe(REPO / "recipes/tiny_cpu_dflash.yaml").draft)
 
@@ -88,7 +95,7 @@ def test_tiny_dflash_trains_exports_and_beats_its_untrained_drafter(tmp_path, ti
     before = accept_length(decode_prompts(str(tiny_target_dir), untrained, prompts, 32))
     after = accept_length(decode_prompts(str(tiny_target_dir), export, prompts, 32))
     print(f"accept length untrained {before:.3f} trained {after:.3f}")
-    assert after >= before + 0.1, (before, after)
+    assert before < 1.1 and after >= before + 0.3, (before, after)
 
 
 def test_tiny_inkling_small_trains_and_its_speculators_export_loads(tmp_path, tiny_target_dir):

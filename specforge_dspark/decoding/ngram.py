@@ -56,6 +56,11 @@ class NgramDrafter:
         self.history: list[int] = []
         self._last: list[int] = []  # [bonus, drafts...] of the previous proposal
 
+    @property
+    def num_drafts(self) -> int:
+        """Drafted tokens per block: G (as DSpark)."""
+        return self.config.block_size
+
     def begin(self, prompt_ids: list[int]) -> None:
         self.history = list(prompt_ids)
         self._last = []

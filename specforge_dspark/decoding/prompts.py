@@ -14,7 +14,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "eval"
+DEFAULT_DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "eval"
 
 # name -> (file under the data dir, prompt field)
 BUILTIN_WORKLOADS: dict[str, tuple[str, str]] = {
@@ -106,3 +106,10 @@ def render(tokenizer, messages: list[dict]) -> list[int]:
         messages, tokenize=True, add_generation_prompt=True, return_dict=False
     )
     return list(ids)
+
+
+def answer_text(tokenizer, tokens: list[int], eos_ids: set[int]) -> str:
+    """An assistant turn's text from its generated tokens (a final end-of-turn token
+    dropped), for the next turn's conversation."""
+    body = tokens[:-1] if tokens and tokens[-1] in eos_ids else tokens
+    return tokenizer.decode(body, skip_special_tokens=True)

@@ -48,10 +48,10 @@ class SamplingTarget(HFTarget):
 
         cache = DynamicCache(config=self.model.config)
         self._forward(ids, cache)
-        out = [_draw(target_probs(self.last_logits_LV[-1:], temperature), gen)[0]]
+        out = [draw(target_probs(self.last_logits_LV[-1:], temperature), gen)[0]]
         while len(out) < max_new_tokens and out[-1] not in self.eos_ids:
             self._forward(out[-1:], cache)
-            out.append(_draw(target_probs(self.last_logits_LV[-1:], temperature), gen)[0])
+            out.append(draw(target_probs(self.last_logits_LV[-1:], temperature), gen)[0])
         return out
 
 
@@ -63,7 +63,8 @@ def target_probs(logits_LV: torch.Tensor, temperature: float, width: int | None 
     return p
 
 
-def _draw(probs_BW: torch.Tensor, gen: torch.Generator) -> list[int]:
+def draw(probs_BW: torch.Tensor, gen: torch.Generator) -> list[int]:
+    """One token per row of `probs_BW`, drawn with `gen`."""
     return torch.multinomial(probs_BW, 1, generator=gen).reshape(-1).tolist()
 
 

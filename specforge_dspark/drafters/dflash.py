@@ -1,4 +1,4 @@
-"""The DFlash draft network (torch only, layers from `draft_layers.py`) and its SGLang config.
+"""The DFlash draft network (torch only, layers from `layers.py`) and its SGLang config.
 
 A DFlash drafter is a DSpark drafter without the Markov and confidence heads, served with
 SGLang 0.5.23's `--speculative-algorithm DFLASH` under ITS slot convention. Checked against
@@ -13,7 +13,7 @@ the installed source (where this file and DSPARK_SPEC.md differ, the engine wins
   here row k (k >= 1) predicts the token at a+k and row 0 predicts nothing.
 - context K/V (`_append_target_hidden_sequential`): each layer's k_proj/v_proj of the shared
   hidden_norm(fc(aux)) WITHOUT the layer's input_layernorm, then k_norm, then RoPE at the
-  context positions: the same KV injection as DSpark (`draft_layers.DecoderLayer`).
+  context positions: the same KV injection as DSpark (`layers.DecoderLayer`).
 - `sglang/srt/models/dflash.py` `_get_dflash_layer_attention_params`: "full_attention"
   layers are ENCODER_ONLY (bidirectional inside the block), "sliding_attention" layers are
   DECODER (causal inside the block) with `sliding_window - 1` keys to the left
@@ -26,14 +26,13 @@ the installed source (where this file and DSPARK_SPEC.md differ, the engine wins
 Not modelled (refused on load): grouped convolutions, selector / Domino / LiLiCorr heads,
 attention sinks, V scaling, a draft-owned embedding.
 
-Shape legend as in model.py (B batch, S context, N blocks, G block size, Q = N*G queries,
+Shape legend as in dspark.py (B batch, S context, N blocks, G block size, Q = N*G queries,
 K = S + Q keys, H hidden, D = m*H aux features, V vocab rows).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,13 +41,25 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from specforge_dspark.drafters.dspark import _plain, build_visibility_mask
-from specforge_dspark.drafters.io import context_features, load_checked, read_config, save_layout
-from specforge_dspark.drafters.layers import DecoderLayer, RMSNorm, rope_tables
+from specforge_dspark.drafters.io import (
+    config_value,
+    context_features,
+    load_checked,
+    read_config,
+    save_layout,
+)
+from specforge_dspark.drafters.layers import (
+    DecoderLayer,
+    RMSNorm,
+    build_visibility_mask,
+    decode_blocks,
+)
 
 if TYPE_CHECKING:
     from specforge_dspark.recipe import DraftRecipe
 
+ARCHITECTURE = "DFlashDraftModel"
+"""config.json `architectures` entry SGLang serves a DFlash drafter as."""
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DFLASH_KEYS = ("block_size", "target_layer_ids", "num_target_layers", "mask_token_id")
 """Keys SGLang's `parse_dflash_draft_config` reads; written in dflash_config and mirrored
@@ -180,9 +191,9 @@ class DFlashConfig:
     def to_dict(self) -> dict[str, Any]:
         """SGLang DFLASH layout: `DFlashDraftModel`, DFlash keys in dflash_config (and the
         root), `layer_types` + `sliding_window` (with `use_sliding_window`) at the root."""
-        dflash = {k: _plain(getattr(self, k)) for k in DFLASH_KEYS}
+        dflash = {k: config_value(getattr(self, k)) for k in DFLASH_KEYS}
         arch = {
-            f.name: _plain(getattr(self, f.name))
+            f.name: config_value(getattr(self, f.name))
             for f in dataclasses.fields(self)
             if f.name not in DFLASH_KEYS and f.name != "sliding_window"
         }
@@ -192,7 +203,7 @@ class DFlashConfig:
         if "sliding_attention" in self.layer_types:
             window = {"use_sliding_window": True, "sliding_window": self.sliding_window}
         return {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [ARCHITECTURE],
             "model_type": "qwen3",
             **arch,
             **window,
@@ -216,7 +227,7 @@ def build_dflash_masks(
 ) -> dict[str, torch.Tensor]:
     """Visibility `[B, N*G, S + N*G]` (True = visible) per layer type.
 
-    full_attention: `model.build_visibility_mask` (context c < anchor, bidirectional inside
+    full_attention: `layers.build_visibility_mask` (context c < anchor, bidirectional inside
     the block). sliding_attention: that AND causal (key position <= query position) AND
     inside the window (key position >= query position - (sliding_window - 1)); the
     positions are a+k for slot k of the block anchored at a, c for context key c.
@@ -277,22 +288,16 @@ class DFlashDraft(nn.Module):
     ) -> torch.Tensor:
         """Final-normed hidden states `[B, N, G, H]` of every block row (row 0 included);
         `masks` from `self.masks`. A query with no visible key gets attention output 0."""
-        B, N, G, H = block_emb_BNGH.shape
-        Q = N * G
-        dtype, cfg = self.norm.weight.dtype, self.config
-        rope_ctx = rope_tables(ctx_pos_BS, cfg.head_dim, cfg.rope_theta, dtype)
-        rope_blk = rope_tables(block_pos_BNG.reshape(B, Q), cfg.head_dim, cfg.rope_theta, dtype)
-        args = {}
-        for kind, visible_BQK in masks.items():
-            empty_BQ = ~visible_BQK.any(-1)
-            visible_BQK = visible_BQK.clone()
-            visible_BQK[..., 0] |= empty_BQ  # SDPA gives NaN on an empty row: zeroed below
-            args[kind] = (rope_ctx, rope_blk, visible_BQK[:, None], empty_BQ[:, None, :, None])
-        ctx_BSH = ctx_BSH.to(dtype)
-        x_BQH = block_emb_BNGH.reshape(B, Q, H).to(dtype)
-        for layer, kind in zip(self.layers, cfg.layer_types, strict=True):
-            x_BQH = layer(x_BQH, ctx_BSH, *args[kind])
-        return self.norm(x_BQH).view(B, N, G, H)
+        return decode_blocks(
+            self.layers,
+            self.norm,
+            self.config,
+            ctx_BSH,
+            ctx_pos_BS,
+            block_emb_BNGH,
+            block_pos_BNG,
+            masks,
+        )
 
     def apply_heads(
         self, h_BNGH: torch.Tensor, base_logits_BNGV: torch.Tensor, prev_BNG: torch.Tensor
@@ -346,9 +351,3 @@ class DFlashDraft(nn.Module):
         with torch.device("meta"):
             model = cls(config)
         return load_checked(model, path, ("rotary_emb.",), device, dtype)
-
-
-def is_dflash_dir(path: str | Path) -> bool:
-    """True when `path/config.json` declares SGLang's DFlashDraftModel."""
-    config = json.loads((Path(path) / "config.json").read_text())
-    return "DFlashDraftModel" in (config.get("architectures") or [])

@@ -1,6 +1,7 @@
 """The DSpark draft network, self-contained (torch only), and its SGLang config.json.
 
-Its layers live in `draft_layers.py`; together the two files import nothing but torch.
+Its layers live in `layers.py` and its files in `io.py`; together they import nothing but
+torch (and safetensors to save and load).
 
 A DSpark drafter (DSPARK_SPEC.md sections 1, 2, 4, 6) proposes a block of G tokens in one
 parallel pass over features of a frozen target, then a small Markov head fixes the
@@ -50,18 +51,27 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
-from specforge_dspark.drafters.io import context_features, load_checked, read_config, save_layout
+from specforge_dspark.drafters.io import (
+    config_value,
+    context_features,
+    load_checked,
+    read_config,
+    save_layout,
+)
 from specforge_dspark.drafters.layers import (
     ConfidenceHead,
     DecoderLayer,
     MarkovHead,
     RMSNorm,
-    rope_tables,
+    build_visibility_mask,
+    decode_blocks,
 )
 
 if TYPE_CHECKING:
     from specforge_dspark.recipe import DraftRecipe
 
+ARCHITECTURE = "Qwen3DSparkModel"
+"""config.json `architectures` entry SGLang serves a DSpark drafter as."""
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 DSPARK_KEYS = (
     "block_size",
@@ -256,14 +266,14 @@ class DSparkConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """SGLang layout (DSPARK_SPEC.md s.6): DSpark keys at the root AND in dflash_config."""
-        dspark = {k: _plain(getattr(self, k)) for k in DSPARK_KEYS}
+        dspark = {k: config_value(getattr(self, k)) for k in DSPARK_KEYS}
         arch = {
-            f.name: _plain(getattr(self, f.name))
+            f.name: config_value(getattr(self, f.name))
             for f in dataclasses.fields(self)
             if f.name not in DSPARK_KEYS
         }
         return {
-            "architectures": ["Qwen3DSparkModel"],
+            "architectures": [ARCHITECTURE],
             "model_type": "qwen3",
             **arch,
             "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
@@ -273,39 +283,6 @@ class DSparkConfig:
             **dspark,
             "dflash_config": dict(dspark),
         }
-
-
-def _plain(value: Any) -> Any:
-    return list(value) if isinstance(value, list) else value
-
-
-# --------------------------------------------------------------------------- masks
-
-
-def build_visibility_mask(
-    anchors_BN: torch.Tensor,
-    block_valid_BN: torch.Tensor,
-    ctx_valid_BS: torch.Tensor,
-    block_size: int,
-) -> torch.Tensor:
-    """Who each block query may attend to: bool `[B, N*G, S + N*G]`, True = visible.
-
-    Context key c is visible to block j iff c < anchors[j], ctx_valid[c] and
-    block_valid[j] (the anchor itself has no hidden state yet). Block keys are visible
-    iff in the same block and the block is valid (bidirectional inside a block); blocks
-    never see each other.
-    """
-    B, N = anchors_BN.shape
-    S, G = ctx_valid_BS.shape[1], block_size
-    c_S = torch.arange(S, device=anchors_BN.device)
-    ctx_BNS = (c_S < anchors_BN[..., None]) & ctx_valid_BS[:, None, :].bool()
-    ctx_BNS = ctx_BNS & block_valid_BN[..., None].bool()
-    ctx_BQS = ctx_BNS[:, :, None, :].expand(B, N, G, S).reshape(B, N * G, S)
-    block_of_Q = torch.arange(N * G, device=anchors_BN.device) // G
-    same_QQ = block_of_Q[:, None] == block_of_Q[None, :]
-    valid_BQ = block_valid_BN.bool().repeat_interleave(G, dim=1)
-    blk_BQQ = same_QQ[None] & valid_BQ[:, :, None] & valid_BQ[:, None, :]
-    return torch.cat((ctx_BQS, blk_BQQ), dim=-1)
 
 
 # --------------------------------------------------------------------------- model
@@ -327,6 +304,11 @@ class DSparkDraft(nn.Module):
         # Start as a no-op bias on the base logits: the Markov head learns a correction.
         nn.init.zeros_(self.markov_head.markov_w2.weight)
 
+    @property
+    def num_drafts(self) -> int:
+        """Drafted tokens per block: G (slot k drafts the token after row k's position)."""
+        return self.config.block_size
+
     def context(self, aux_hidden_BSD: torch.Tensor) -> torch.Tensor:
         """Shared context features `[B, S, H]` = hidden_norm(fc(aux)), D = m*H."""
         return context_features(self.fc, self.hidden_norm, aux_hidden_BSD)
@@ -345,26 +327,17 @@ class DSparkDraft(nn.Module):
         context positions then the N*G block positions; `visible_BQK` from
         `build_visibility_mask`. A query with no visible key gets attention output 0.
         """
-        B, N, G, H = block_emb_BNGH.shape
-        S, Q = ctx_BSH.shape[1], N * G
-        if visible_BQK.shape != (B, Q, S + Q):
-            raise ValueError(
-                f"visible_BQK has shape {tuple(visible_BQK.shape)}, expected {(B, Q, S + Q)}"
-            )
-        dtype = self.norm.weight.dtype
-        cfg = self.config
-        rope_ctx = rope_tables(ctx_pos_BS, cfg.head_dim, cfg.rope_theta, dtype)
-        rope_blk = rope_tables(block_pos_BNG.reshape(B, Q), cfg.head_dim, cfg.rope_theta, dtype)
-        empty_BQ = ~visible_BQK.any(-1)
-        # SDPA turns a row with no visible key into NaN: give it key 0, zero its output.
-        visible_BQK = visible_BQK.clone()
-        visible_BQK[..., 0] |= empty_BQ
-        attn_args = (rope_ctx, rope_blk, visible_BQK[:, None], empty_BQ[:, None, :, None])
-        ctx_BSH = ctx_BSH.to(dtype)
-        x_BQH = block_emb_BNGH.reshape(B, Q, H).to(dtype)
-        for layer in self.layers:
-            x_BQH = layer(x_BQH, ctx_BSH, *attn_args)
-        return self.norm(x_BQH).view(B, N, G, H)
+        masks = {"full_attention": visible_BQK}
+        return decode_blocks(
+            self.layers,
+            self.norm,
+            self.config,
+            ctx_BSH,
+            ctx_pos_BS,
+            block_emb_BNGH,
+            block_pos_BNG,
+            masks,
+        )
 
     def apply_heads(
         self, h_BNGH: torch.Tensor, base_logits_BNGV: torch.Tensor, prev_BNG: torch.Tensor

@@ -1,12 +1,18 @@
 """The SGLang directory layout both drafter kinds are saved in and loaded from:
-config.json + model.safetensors (model.py for DSpark, dflash.py for DFlash)."""
+config.json + model.safetensors (dspark.py for DSpark, dflash.py for DFlash)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
+
+
+def config_value(value: Any) -> Any:
+    """A config field as written to config.json (a list is copied, not shared)."""
+    return list(value) if isinstance(value, list) else value
 
 
 def save_layout(

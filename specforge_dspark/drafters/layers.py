@@ -1,19 +1,47 @@
-"""Building blocks of the DSpark draft network (torch only); `model.py` assembles them.
+"""Building blocks shared by the drafter networks (torch only): `dspark.py` and `dflash.py`
+assemble them; `decode_blocks` is the one decoder pass both run.
 
-Each block matches the SGLang 0.5.23 module it is served by (see model.py's docstring
-for the files checked). Shape legend as in model.py.
+Each block matches the SGLang 0.5.23 module it is served by (see dspark.py's docstring
+for the files checked). The layers read their sizes from any object with the attributes
+of `DecoderConfig` / `HeadsConfig` (the kinds' config dataclasses): this file imports no
+drafter module.
+
+Shape legend:
+  B batch, S context positions, N blocks (anchors) per sequence, G block size,
+  Q = N*G block queries, K = S + Q keys, T any number of rows, H hidden,
+  A attention heads, C key/value heads, E head_dim, V vocab rows, R Markov rank.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from specforge_dspark.drafters.dspark import DSparkConfig
+
+class DecoderConfig(Protocol):
+    """What the decoder layers read from a drafter's config."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    layer_types: list[str]
+
+
+class HeadsConfig(Protocol):
+    """What the Markov and confidence heads read from a drafter's config."""
+
+    hidden_size: int
+    vocab_size: int
+    markov_rank: int
+    markov_head_type: str
+    confidence_head_with_markov: bool
 
 
 class RMSNorm(nn.Module):
@@ -52,7 +80,7 @@ def apply_rope(x_BTnE: torch.Tensor, cos_BTe: torch.Tensor, sin_BTe: torch.Tenso
 class Attention(nn.Module):
     """Qwen3 GQA attention with KV injection: block queries over [context ; block] keys."""
 
-    def __init__(self, cfg: DSparkConfig) -> None:
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         H, A, C, E = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.heads, self.kv_heads, self.head_dim = A, C, E
@@ -96,7 +124,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: DSparkConfig) -> None:
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -107,7 +135,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DSparkConfig) -> None:
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
@@ -120,6 +148,74 @@ class DecoderLayer(nn.Module):
         return x_BQH + self.mlp(self.post_attention_layernorm(x_BQH))
 
 
+def build_visibility_mask(
+    anchors_BN: torch.Tensor,
+    block_valid_BN: torch.Tensor,
+    ctx_valid_BS: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """Who each block query may attend to: bool `[B, N*G, S + N*G]`, True = visible.
+
+    Context key c is visible to block j iff c < anchors[j], ctx_valid[c] and
+    block_valid[j] (the anchor itself has no hidden state yet). Block keys are visible
+    iff in the same block and the block is valid (bidirectional inside a block); blocks
+    never see each other.
+    """
+    B, N = anchors_BN.shape
+    S, G = ctx_valid_BS.shape[1], block_size
+    c_S = torch.arange(S, device=anchors_BN.device)
+    ctx_BNS = (c_S < anchors_BN[..., None]) & ctx_valid_BS[:, None, :].bool()
+    ctx_BNS = ctx_BNS & block_valid_BN[..., None].bool()
+    ctx_BQS = ctx_BNS[:, :, None, :].expand(B, N, G, S).reshape(B, N * G, S)
+    block_of_Q = torch.arange(N * G, device=anchors_BN.device) // G
+    same_QQ = block_of_Q[:, None] == block_of_Q[None, :]
+    valid_BQ = block_valid_BN.bool().repeat_interleave(G, dim=1)
+    blk_BQQ = same_QQ[None] & valid_BQ[:, :, None] & valid_BQ[:, None, :]
+    return torch.cat((ctx_BQS, blk_BQQ), dim=-1)
+
+
+def decode_blocks(
+    layers: nn.ModuleList,
+    norm: RMSNorm,
+    cfg: DecoderConfig,
+    ctx_BSH: torch.Tensor,
+    ctx_pos_BS: torch.Tensor,
+    block_emb_BNGH: torch.Tensor,
+    block_pos_BNG: torch.Tensor,
+    masks: dict[str, torch.Tensor],
+) -> torch.Tensor:
+    """The decoder pass of a drafter: final-normed hidden states `[B, N, G, H]` of every
+    block row.
+
+    block_emb: frozen target embeddings of the block tokens; keys are the S context
+    positions then the N*G block positions. Layer i attends with
+    `masks[cfg.layer_types[i]]` (bool `[B, Q, K]`, True = visible). A query with no visible
+    key gets attention output 0.
+    """
+    B, N, G, H = block_emb_BNGH.shape
+    S, Q = ctx_BSH.shape[1], N * G
+    dtype = norm.weight.dtype
+    rope_ctx = rope_tables(ctx_pos_BS, cfg.head_dim, cfg.rope_theta, dtype)
+    rope_blk = rope_tables(block_pos_BNG.reshape(B, Q), cfg.head_dim, cfg.rope_theta, dtype)
+    args = {}
+    for kind, visible_BQK in masks.items():
+        if visible_BQK.shape != (B, Q, S + Q):
+            raise ValueError(
+                f"visible_BQK ({kind}) has shape {tuple(visible_BQK.shape)}, "
+                f"expected {(B, Q, S + Q)}"
+            )
+        empty_BQ = ~visible_BQK.any(-1)
+        # SDPA turns a row with no visible key into NaN: give it key 0, zero its output.
+        visible_BQK = visible_BQK.clone()
+        visible_BQK[..., 0] |= empty_BQ
+        args[kind] = (rope_ctx, rope_blk, visible_BQK[:, None], empty_BQ[:, None, :, None])
+    ctx_BSH = ctx_BSH.to(dtype)
+    x_BQH = block_emb_BNGH.reshape(B, Q, H).to(dtype)
+    for layer, kind in zip(layers, cfg.layer_types, strict=True):
+        x_BQH = layer(x_BQH, ctx_BSH, *args[kind])
+    return norm(x_BQH).view(B, N, G, H)
+
+
 class MarkovHead(nn.Module):
     """Bias on a slot's logits from the previous token (SGLang VanillaMarkov / Gated / RNN).
 
@@ -128,7 +224,7 @@ class MarkovHead(nn.Module):
     s' = sigmoid(g) s + (1 - sigmoid(g)) tanh(c), with s = 0 before slot 0. The bias is W2 z.
     """
 
-    def __init__(self, cfg: DSparkConfig) -> None:
+    def __init__(self, cfg: HeadsConfig) -> None:
         super().__init__()
         H, V, R = cfg.hidden_size, cfg.vocab_size, cfg.markov_rank
         self.kind = cfg.markov_head_type
@@ -178,7 +274,7 @@ class MarkovHead(nn.Module):
 class ConfidenceHead(nn.Module):
     """Acceptance logit of each slot from [h ; W1[prev]] (or h alone)."""
 
-    def __init__(self, cfg: DSparkConfig) -> None:
+    def __init__(self, cfg: HeadsConfig) -> None:
         super().__init__()
         self.with_markov = cfg.confidence_head_with_markov
         extra = cfg.markov_rank if self.with_markov else 0

@@ -1,46 +1,79 @@
-"""The two drafter kinds (`draft.kind`): network, loss and loader by kind, one small dict each."""
+"""The drafter kinds (`draft.kind`): one `DrafterKind` line each in `KINDS`.
+
+A new kind is a network module beside dspark.py / dflash.py (config dataclass with
+`from_recipe` / `from_dict` / `to_dict`, network with `from_pretrained` / `save_pretrained`
+and `num_drafts`), a loss module beside objective/dspark.py, and one line here. Nothing
+under drafters/ or objective/ imports this module.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from torch import nn
 
+from specforge_dspark.drafters.dflash import ARCHITECTURE as DFLASH_ARCH
+from specforge_dspark.drafters.dflash import DFlashConfig, DFlashDraft
+from specforge_dspark.drafters.dspark import ARCHITECTURE as DSPARK_ARCH
+from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
+from specforge_dspark.objective.dflash import compute_dflash_loss
+from specforge_dspark.objective.dspark import compute_loss
+from specforge_dspark.objective.vocab_loss import LossOutput
+
 if TYPE_CHECKING:
     from specforge_dspark.recipe import DraftRecipe
 
 
+@dataclass(frozen=True)
+class DrafterKind:
+    """Everything the trainer, the exporter and the evaluators need to know of one kind."""
+
+    config: type
+    """Config dataclass: `from_recipe(DraftRecipe)`, `from_dict(config.json)`, `to_dict()`."""
+    network: type[nn.Module]
+    """Network built from the config; `from_pretrained(path)` loads an exported one."""
+    loss: Callable[..., LossOutput]
+    """`compute_loss`'s signature: (draft, head, ids, mask, aux, last, obj, generator, group)."""
+    architecture: str
+    """The config.json `architectures` entry SGLang serves this kind as."""
+
+
+KINDS: dict[str, DrafterKind] = {
+    "dspark": DrafterKind(DSparkConfig, DSparkDraft, compute_loss, DSPARK_ARCH),
+    "dflash": DrafterKind(DFlashConfig, DFlashDraft, compute_dflash_loss, DFLASH_ARCH),
+}
+DEFAULT_KIND = "dspark"
+"""The kind of an exported directory whose `architectures` names no registered kind."""
+
+
+def _kind(kind: str) -> DrafterKind:
+    if kind not in KINDS:
+        raise ValueError(f"draft.kind must be one of {sorted(KINDS)}, got {kind!r}")
+    return KINDS[kind]
+
+
 def new_draft(draft: DraftRecipe) -> nn.Module:
     """A freshly initialised drafter of `draft.kind` (builds on the current default device)."""
-    if draft.kind == "dflash":
-        from specforge_dspark.drafters.dflash import DFlashConfig, DFlashDraft
+    k = _kind(draft.kind)
+    return k.network(k.config.from_recipe(draft))
 
-        return DFlashDraft(DFlashConfig.from_recipe(draft))
-    from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
 
-    return DSparkDraft(DSparkConfig.from_recipe(draft))
+def kind_of_dir(path: str | Path) -> str:
+    """The kind of an exported SGLang-layout drafter, by its config.json `architectures`."""
+    architectures = json.loads((Path(path) / "config.json").read_text()).get("architectures")
+    found = [name for name, k in KINDS.items() if k.architecture in (architectures or [])]
+    return found[0] if found else DEFAULT_KIND
 
 
 def load_draft(path: str | Path) -> nn.Module:
-    """An exported SGLang-layout drafter, DSpark or DFlash by its `architectures`."""
-    config = json.loads((Path(path) / "config.json").read_text())
-    if "DFlashDraftModel" in (config.get("architectures") or []):
-        from specforge_dspark.drafters.dflash import DFlashDraft
-
-        return DFlashDraft.from_pretrained(path)
-    from specforge_dspark.drafters.dspark import DSparkDraft
-
-    return DSparkDraft.from_pretrained(path)
+    """An exported SGLang-layout drafter of the kind its `architectures` names."""
+    return KINDS[kind_of_dir(path)].network.from_pretrained(path)
 
 
-def loss_fn(kind: str):
-    """`compute_loss` (DSpark) or `compute_dflash_loss` (same signature)."""
-    if kind == "dflash":
-        from specforge_dspark.objective.dflash import compute_dflash_loss
-
-        return compute_dflash_loss
-    from specforge_dspark.objective.dspark import compute_loss
-
-    return compute_loss
+def loss_fn(kind: str) -> Callable[..., LossOutput]:
+    """The loss of `kind` (`compute_loss`'s signature)."""
+    return _kind(kind).loss

@@ -1,7 +1,7 @@
-"""`python -m specforge_dspark.export`: see specforge_dspark/export/core.py."""
+"""`python -m specforge_dspark.export`: see specforge_dspark/export/cli.py."""
 
 import sys
 
-from specforge_dspark.export.core import main
+from specforge_dspark.export.cli import main
 
 sys.exit(main())

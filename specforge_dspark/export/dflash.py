@@ -19,17 +19,16 @@ dispatches here when the checkpoint's recipe has `draft.kind: dflash`.
 
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from specforge_dspark.drafters.dflash import DFlashConfig, DFlashDraft
-from specforge_dspark.export import core as export
-from specforge_dspark.recipe import recipe_from_dict
+from specforge_dspark.export import ExportError
+from specforge_dspark.export import conventions as export_conventions
+from specforge_dspark.export.sglang import write_sglang
+from specforge_dspark.export.source import deepspeed_weights, resolve_checkpoint, step_recipe
 
 SLOT_CONVENTION = (
     "dflash: block [x_a, MASK*(G-1)] at positions a..a+G-1; row i (1..G-1) predicts token a+i"
@@ -37,24 +36,10 @@ SLOT_CONVENTION = (
 
 
 def conventions(cfg: DFlashConfig, target_path: str | Path | None = None) -> dict[str, Any]:
-    """The conventions record of a DFlash draft (export.conventions with its slot rule)."""
-    record: dict[str, Any] = {
-        "format_version": export.CONVENTIONS_VERSION,
-        "sample_from_anchor": False,
-        "slot_convention": SLOT_CONVENTION,
-        "tap_convention": None,
-        "layer_id_convention": export.LAYER_ID_CONVENTION,
-        "target_layer_ids": list(cfg.target_layer_ids),
-        "aux_hidden_state_layer_ids": [k + 1 for k in cfg.target_layer_ids],
-        "num_target_layers": cfg.num_target_layers,
-        "mask_token_id": cfg.mask_token_id,
-        "logical_vocab": None,
-        "vocab_rows": cfg.vocab_size,
-        "mup_multiplier": None,
-    }
-    if target_path:
-        record |= export._target_conventions(Path(target_path), cfg.vocab_size)
-    return record
+    """The conventions record of a DFlash draft (conventions.conventions with its slot rule)."""
+    return export_conventions.conventions(
+        cfg, target_path, sample_from_anchor=False, slot_convention=SLOT_CONVENTION
+    )
 
 
 def export_dflash(
@@ -69,45 +54,19 @@ def export_dflash(
         draft = draft_or_state_dict
     else:
         if cfg is None:
-            raise export.ExportError("exporting a state_dict needs its DFlashConfig")
+            raise ExportError("exporting a state_dict needs its DFlashConfig")
         with torch.device("meta"):
             draft = DFlashDraft(cfg)
         try:
             draft.load_state_dict(draft_or_state_dict, strict=True, assign=True)
         except RuntimeError as e:
-            raise export.ExportError(f"the weights do not fit the DFlash config: {e}") from None
+            raise ExportError(f"the weights do not fit the DFlash config: {e}") from None
     with torch.device("meta"):
         want = {k: v.shape for k, v in DFlashDraft(draft.config).state_dict().items()}
     bad = [k for k, v in draft.state_dict().items() if v.shape != want[k]]
     if bad:
-        raise export.ExportError(f"tensors {bad[:3]} do not have their full shapes (ZeRO-3?)")
-    record = conventions(draft.config, target_path)
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:
-        staging = Path(tmp) / "out"
-        draft.save_pretrained(staging, dtype=dtype)
-        config_file = staging / "config.json"
-        config = json.loads(config_file.read_text())
-        config[export.CONVENTIONS_KEY] = {**record, "mup_folded_into": None}
-        config_file.write_text(json.dumps(config, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    return out
-
-
-def checkpoint_kind(ckpt_dir: str | Path) -> str:
-    """ "dflash" for a DFlash training checkpoint or SGLang DFLASH export, else "dspark"."""
-    kind, resolved = export._resolve(Path(ckpt_dir))
-    if kind == "export":
-        config = json.loads((resolved / "config.json").read_text())
-        return "dflash" if "DFlashDraftModel" in (config.get("architectures") or []) else "dspark"
-    state_file = resolved / "train_state.json"
-    if kind == "training" and state_file.is_file():
-        raw = json.loads(state_file.read_text()).get("recipe") or {}
-        return (raw.get("draft") or {}).get("kind", "dspark")
-    return "dspark"
+        raise ExportError(f"tensors {bad[:3]} do not have their full shapes (ZeRO-3?)")
+    return write_sglang(draft, out_dir, conventions(draft.config, target_path), dtype)
 
 
 def export_dflash_checkpoint(
@@ -115,16 +74,14 @@ def export_dflash_checkpoint(
 ) -> Path:
     """Export a DFlash training checkpoint (or DFLASH export) as `fmt` ("sglang" only)."""
     if fmt != "sglang":
-        raise export.ExportError(
+        raise ExportError(
             f"--checkpoint {ckpt_dir}: a DFlash draft exports only as sglang (DFLASH), not {fmt}"
         )
-    kind, resolved = export._resolve(Path(ckpt_dir))
+    kind, resolved = resolve_checkpoint(Path(ckpt_dir))
     if kind == "export":
         draft = DFlashDraft.from_pretrained(resolved)
         return export_dflash(draft, None, out_dir, target_path)
-    state_file = resolved / "train_state.json"
-    state = json.loads(state_file.read_text())
-    recipe = recipe_from_dict(state["recipe"], source=str(state_file))
+    recipe = step_recipe(resolved)
     cfg = DFlashConfig.from_recipe(recipe.draft)
-    weights = export._deepspeed_weights(resolved, recipe.dist.zero_stage)
+    weights = deepspeed_weights(resolved, recipe.dist.zero_stage)
     return export_dflash(weights, cfg, out_dir, target_path or recipe.target.path or None)

@@ -1,2 +1,2 @@
-"""The training objective: anchors and blocks, the one chunked vocab loss, and the
-per-kind slot terms on top of it."""
+"""The training objective: anchors and blocks (`blocks`), the one chunked vocab loss and its
+metrics (`vocab_loss`), and per kind the slot convention on top of it (`dspark`, `dflash`)."""

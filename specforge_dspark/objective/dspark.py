@@ -1,408 +1,34 @@
-"""DSpark training objective: anchors, blocks, chunked 0.1 CE + 0.9 L1 + 1.0 BCE, metrics.
+"""DSpark training objective: every one of the G block rows drafts, under the DSpark slot
+convention, through the shared chunked loss of `vocab_loss.py` (0.1 CE + 0.9 L1 + 1.0 BCE).
 
-DSPARK_SPEC.md section 3 is the contract. `compute_loss` is the entry point; everything it
-uses is a pure function of tensors (and the frozen head / draft modules).
+DSPARK_SPEC.md section 3 is the contract; `vocab_loss.py`'s docstring covers the
+vocabulary, the normalisation over data-parallel ranks, the metrics and the memory plan.
+`compute_loss` is the entry point.
+
+Slot convention (DSpark / SGLang `sample_from_anchor`): the block anchored at a is
+[x_a, MASK * (G-1)] at positions a .. a+G-1 over the context strictly before a; slot k of
+the block (row k) predicts token a+k+1; its teacher is the target's LM head on
+last_hidden[a+k] (`FrozenHead.teacher_logits`: float32 output and softcap, as the target
+serves them); its Markov "previous" token is x[a+k] (teacher forced); the confidence head
+learns each slot's acceptance (BCE against the detached alpha).
 
 Shape legend
   B  sequences in the micro-batch        S  sequence length
   N  anchor blocks per sequence          G  block size (slots per block)
-  X  blocks of the micro-batch (B * N)   C  blocks per chunk (objective.chunk_size; 0 = X)
   H  hidden size                         D  aux feature width (m * H)
-  V  LM-head rows (padded vocabulary)    L  logical vocabulary (tokens the target emits)
-  M  slots of one chunk (C * G)
-
-Vocabulary (serve exactly what we train): SGLang's DSpark draft takes its argmax over ALL
-LM-head rows (`models/dspark.py` crops the draft's logits only to `lm_head.org_vocab_size`,
-which for Inkling is the padded row count), while the target's logits are cropped to the
-L logical tokens. So the draft's softmax, CE and L1 run over all V rows and the teacher is
-a softmax over the first L rows with probability exactly 0 on rows >= L: mass the draft
-puts on a padded row is penalised by L1 and CE, and the Markov head's padded rows of
-markov_w2 train (downwards). Metrics (alpha, top1, tau) use the draft's argmax over all
-V rows, as served.
-
-Slot convention (DSpark / SGLang): slot k of the block anchored at a predicts token a+k+1;
-its teacher is the target's LM head on last_hidden[a+k] (`FrozenHead.teacher_logits`:
-float32 output and softcap, as the target serves them); its Markov "previous" token is
-x[a+k] (teacher forced).
-
-Normalisation and gradient accumulation
-  Each call (one micro-step) returns  loss = world * (this rank's weighted sum) / W,  with
-  W = sum of slot weights over all data-parallel ranks of this micro-step (all-reduced,
-  detached). Averaging the ranks' gradients (DDP, DeepSpeed) then gives the gradient of
-  the pooled weighted mean of this micro-step. Micro-steps of one accumulation window are
-  combined with EQUAL weight: the window's gradient is the mean over its micro-steps of
-  the per-micro-step pooled means. DeepSpeed's `engine.backward` already divides by
-  `gradient_accumulation_steps`; a plain-torch trainer calls `(loss / accum).backward()`.
-
-Teacher-forced accept length
-  `tau` averages over valid blocks b the greedy accept length 1 + sum_k prod_{i<=k} a_{b,i},
-  a_{b,i} = 1 where the draft's argmax at slot i equals the teacher's (top1). A block only
-  counts while its slots are supervised: a slot outside the block's supervised prefix
-  (eval_mask False) counts as rejected, so a block with n supervised slots contributes at
-  most 1 + n. `tau_slot_mean` is the former value, 1 + sum_k prod_{i<=k} alpha_i with
-  alpha_i the per-slot MEAN acceptance probability over blocks (kept for one release).
-
-Memory
-  Vocab-sized work runs one chunk of C blocks at a time inside `_FusedVocabLoss`, whose
-  forward computes each chunk's loss and, analytically, the gradient wrt the logits and
-  the confidence logit, then pulls those back to h and the head parameters with
-  `torch.autograd.grad`. Only gradients of size [B, N, G, H] and of the head parameters
-  are kept; nothing vocab-sized is stored or recomputed. The decoder runs over the same
-  chunks under activation checkpointing when there is more than one (recomputing it costs
-  a few percent). One `loss.backward()` by the trainer delivers every gradient through
-  ordinary autograd.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from specforge_dspark.drafters.dspark import DSparkDraft, build_visibility_mask
 from specforge_dspark.frozen_head import FrozenHead
+from specforge_dspark.objective.blocks import sample_anchors
+from specforge_dspark.objective.vocab_loss import LossOutput, block_loss_at
 from specforge_dspark.recipe import ObjectiveRecipe
-
-log = logging.getLogger(__name__)
-
-# --------------------------------------------------------------------------- anchors and blocks
-
-
-def sample_anchors(
-    loss_mask_BS: Tensor, num_anchors: int, generator: torch.Generator | None = None
-) -> tuple[Tensor, Tensor]:
-    """Sample up to `num_anchors` anchor positions per sequence, uniformly without replacement.
-
-    Eligible t in [0, S-2] with loss_mask[t] and loss_mask[t+1]. Each sequence gets
-    min(num_anchors, #eligible) distinct anchors in its first columns (random order); the
-    remaining columns are invalid (anchor 0, block_valid False). A sequence with no
-    eligible position gets only invalid columns.
-
-    The keys are drawn on the CPU (`generator`, if given, is a CPU generator) and moved to
-    the mask's device, so the anchors are the same whatever device the batch is on.
-
-    Returns anchors_BN (long) and block_valid_BN (bool), N = num_anchors.
-    """
-    B, S = loss_mask_BS.shape
-    supervised_BS = loss_mask_BS.bool()
-    eligible_BT = supervised_BS[:, :-1] & supervised_BS[:, 1:]  # T = S - 1 candidate anchors
-    T = eligible_BT.shape[1]
-    # The k smallest of iid uniform keys over the eligible set form a uniform k-subset.
-    keys_BT = torch.rand(B, T, generator=generator).to(loss_mask_BS.device)
-    keys_BT = keys_BT.masked_fill(~eligible_BT, 2.0)
-    take = min(num_anchors, T)
-    keys_BK, order_BK = keys_BT.sort(dim=1)
-    valid_BK = keys_BK[:, :take] < 1.5
-    anchors_BK = torch.where(valid_BK, order_BK[:, :take], 0)
-    anchors_BN = anchors_BK.new_zeros(B, num_anchors)
-    block_valid_BN = valid_BK.new_zeros(B, num_anchors)
-    anchors_BN[:, :take] = anchors_BK
-    block_valid_BN[:, :take] = valid_BK
-    return anchors_BN, block_valid_BN
-
-
-@dataclass
-class Blocks:
-    """Teacher-forced inputs and targets of N anchor blocks per sequence (all [B, N, G])."""
-
-    anchors_BN: Tensor
-    block_valid_BN: Tensor
-    ids_BNG: Tensor
-    """Block input tokens [x_a, MASK, ..., MASK]."""
-    pos_BNG: Tensor
-    """Position ids a .. a+G-1."""
-    labels_BNG: Tensor
-    """y[j, k] = x[a_j + k + 1] (clamped into the sequence where invalid)."""
-    prev_BNG: Tensor
-    """prev[j, 0] = x[a_j], prev[j, k] = y[j, k-1]."""
-    teacher_idx_BNG: Tensor
-    """Index into last_hidden of slot k's teacher: a_j + k (clamped)."""
-    eval_mask_BNG: Tensor
-    """cumprod_k of (a+k+1 < S and loss_mask[a+k+1]), and the block is valid (bool)."""
-    weight_BNG: Tensor
-    """eval_mask * exp(-k / gamma) (float64: tiny, and exact enough for any compute dtype)."""
-
-
-def build_blocks(
-    input_ids_BS: Tensor,
-    loss_mask_BS: Tensor,
-    anchors_BN: Tensor,
-    block_valid_BN: Tensor,
-    block_size: int,
-    mask_token_id: int,
-    gamma: float,
-) -> Blocks:
-    """Block inputs, positions, shifted labels, prefix eval mask and slot weights."""
-    B, S = input_ids_BS.shape
-    G = block_size
-    k_G = torch.arange(G, device=anchors_BN.device)
-    pos_BNG = anchors_BN[..., None] + k_G  # a + k
-    label_pos_BNG = pos_BNG + 1  # a + k + 1
-    in_seq_BNG = label_pos_BNG < S
-    label_idx_BNG = label_pos_BNG.clamp(max=S - 1)
-    flat = (B, -1)
-    labels_BNG = input_ids_BS.gather(1, label_idx_BNG.reshape(flat)).view_as(pos_BNG)
-    supervised_BNG = loss_mask_BS.bool().gather(1, label_idx_BNG.reshape(flat)).view_as(pos_BNG)
-    valid_BNG = in_seq_BNG & supervised_BNG & block_valid_BN[..., None]
-    eval_mask_BNG = valid_BNG.long().cumprod(dim=-1).bool()
-    x_anchor_BN = input_ids_BS.gather(1, anchors_BN)
-    prev_BNG = torch.cat([x_anchor_BN[..., None], labels_BNG[..., :-1]], dim=-1)
-    ids_BNG = torch.full_like(prev_BNG, mask_token_id)
-    ids_BNG[..., 0] = x_anchor_BN
-    decay_G = torch.exp(-k_G.double() / gamma)
-    return Blocks(
-        anchors_BN=anchors_BN,
-        block_valid_BN=block_valid_BN,
-        ids_BNG=ids_BNG,
-        pos_BNG=pos_BNG,
-        labels_BNG=labels_BNG,
-        prev_BNG=prev_BNG,
-        teacher_idx_BNG=pos_BNG.clamp(max=S - 1),
-        eval_mask_BNG=eval_mask_BNG,
-        weight_BNG=eval_mask_BNG.double() * decay_G,
-    )
-
-
-# --------------------------------------------------------------------------- per-slot terms
-
-
-@dataclass
-class SlotTerms:
-    """Per-slot values of one chunk (all [M], detached) and the loss gradients."""
-
-    ce_M: Tensor
-    l1_M: Tensor
-    alpha_M: Tensor
-    bce_M: Tensor
-    """Zeros when the draft has no confidence head."""
-    calib_M: Tensor
-    """|sigmoid(conf) - alpha|; NaN when the draft has no confidence head."""
-    top1_M: Tensor
-    """1.0 where the draft's argmax over all V rows is (one of) the teacher's argmax."""
-    dlogits_MV: Tensor | None
-    dconf_M: Tensor | None
-
-
-def _softmax_(x_MV: Tensor) -> Tensor:
-    """Softmax over the last dim in place (no vocab-sized allocation); returns logsumexp [M].
-    Entries of -inf (not all of a row) become exactly 0."""
-    m_M1 = x_MV.amax(dim=-1, keepdim=True)
-    x_MV.sub_(m_M1).exp_()
-    s_M1 = x_MV.sum(dim=-1, keepdim=True)
-    x_MV.div_(s_M1)
-    return (m_M1 + s_M1.log()).squeeze(-1)
-
-
-def slot_terms_(
-    logits_MV: Tensor,
-    conf_M: Tensor | None,
-    teacher_logits_MV: Tensor,
-    labels_M: Tensor,
-    coef_M: Tensor | None,
-    obj: ObjectiveRecipe,
-    logical_vocab: int,
-) -> SlotTerms:
-    """CE, L1 (= 2 TV), alpha, BCE per slot, and the gradient of their weighted sum.
-
-    Both logit tensors span all V LM-head rows. The draft's softmax q runs over all of
-    them (SGLang's draft argmax does); the teacher's p over the first `logical_vocab` rows
-    only, with p = 0 exactly on the padded rows (the target never emits them). Both
-    tensors are CONSUMED: used as scratch in place, so each vocab-sized step costs no
-    allocation. Softmaxes run in (at least) float32. With `coef_M` (slot weight times the
-    normaliser) given, also returns the gradient of
-    sum_M coef * (ce_w*CE + l1_w*L1 + bce_w*BCE) wrt logits_MV and conf_M:
-      dCE/dz = q - onehot(y);  dL1/dz = q * (s - <s, q>), s = sign(q - p);
-      dBCE/dconf = sigmoid(conf) - alpha  (alpha is a detached soft label).
-    On a padded row p = 0, so s = +1 there and both gradients push its logit down.
-    """
-    f = torch.promote_types(logits_MV.dtype, torch.float32)
-    with torch.no_grad():
-        p_MV = teacher_logits_MV.to(f)
-        p_MV[:, logical_vocab:] = -math.inf  # exp(-inf) = 0: no teacher mass on padded rows
-        _softmax_(p_MV)
-        z_MV = logits_MV.detach().to(f)
-        z_y_M = z_MV.gather(1, labels_M[:, None]).squeeze(1)
-        top_M1 = z_MV.max(dim=-1, keepdim=True).indices  # over all rows, as served
-        ce_M = _softmax_(z_MV) - z_y_M
-        q_MV = z_MV
-        top1_M = (p_MV.gather(1, top_M1).squeeze(1) >= p_MV.amax(dim=-1)).to(f)
-        d_MV = torch.sub(q_MV, p_MV, out=p_MV)  # q - p, in p's storage
-        l1_M = torch.linalg.vector_norm(d_MV, ord=1, dim=-1)
-        alpha_M = (1.0 - 0.5 * l1_M).clamp(0.0, 1.0)
-        if conf_M is None:
-            bce_M = torch.zeros_like(l1_M)
-            calib_M = torch.full_like(l1_M, math.nan)
-        else:
-            c_M = conf_M.detach().to(f)
-            bce_M = F.binary_cross_entropy_with_logits(c_M, alpha_M, reduction="none")
-            calib_M = (torch.sigmoid(c_M) - alpha_M).abs()
-        dlogits_MV = dconf_M = None
-        if coef_M is not None:
-            c_ce_M1 = (obj.ce_weight * coef_M.to(f))[:, None]
-            c_l1_M1 = (obj.l1_weight * coef_M.to(f))[:, None]
-            s_MV = d_MV.sign_()
-            sq_M1 = torch.einsum("mv,mv->m", s_MV, q_MV)[:, None]
-            # q * (c_l1 * (s - <s,q>) + c_ce) - c_ce * onehot(y), in s's storage
-            s_MV.mul_(c_l1_M1).add_(c_ce_M1 - c_l1_M1 * sq_M1).mul_(q_MV)
-            s_MV.scatter_add_(1, labels_M[:, None], -c_ce_M1)
-            dlogits_MV = s_MV.to(logits_MV.dtype)
-            if conf_M is not None:
-                dconf_M = obj.bce_weight * coef_M.to(f) * (torch.sigmoid(c_M) - alpha_M)
-                dconf_M = dconf_M.to(conf_M.dtype)
-    return SlotTerms(ce_M, l1_M, alpha_M, bce_M, calib_M, top1_M, dlogits_MV, dconf_M)
-
-
-# --------------------------------------------------------------------------- fused vocab part
-
-
-@dataclass
-class _VocabPlan:
-    """What `_FusedVocabLoss` needs besides the differentiable inputs; blocks flattened
-    over the batch, X = B * N."""
-
-    draft: DSparkDraft
-    head: FrozenHead
-    prev_XG: Tensor
-    labels_XG: Tensor
-    teacher_h_XGH: Tensor
-    coef_XG: Tensor
-    """Slot weight times the normaliser world / W."""
-    obj: ObjectiveRecipe
-    chunk: int
-    need_grads: bool
-
-
-class _FusedVocabLoss(torch.autograd.Function):
-    """Chunked vocab-sized loss whose gradients are computed in forward and only scaled in
-    backward.
-
-    Inputs: h_XGH (X = B*N blocks) and the draft's trainable parameters. Outputs: the
-    scalar loss (differentiable) and the per-slot statistics [6, X, G] (ce, l1, alpha, bce,
-    calib, top1; not differentiable).
-    """
-
-    @staticmethod
-    def forward(ctx, plan: _VocabPlan, h_XGH: Tensor, *params: Tensor):
-        X, G, _ = h_XGH.shape
-        f = torch.promote_types(h_XGH.dtype, torch.float32)
-        stats_6XG = h_XGH.new_zeros((6, X, G), dtype=f)
-        grad_h_XGH = torch.zeros_like(h_XGH) if plan.need_grads else None
-        # Parameter gradients are summed over the chunks in (at least) float32 and cast to
-        # the parameter's dtype once, in backward: a bf16 running sum would round each add.
-        grad_P: list[Tensor | None] = [None] * len(params)
-        for lo in range(0, X, plan.chunk):
-            sl = slice(lo, min(lo + plan.chunk, X))
-            stats_6XG[:, sl], grads = _vocab_chunk(plan, sl, h_XGH[sl], params)
-            if grads is not None:
-                grad_h_XGH[sl] = grads[0]
-                for i, g in enumerate(grads[1:]):
-                    if g is not None:
-                        grad_P[i] = g.to(f) if grad_P[i] is None else grad_P[i].add_(g)
-            del grads  # this chunk's parameter gradients: added, not kept into the next chunk
-        loss = _weighted_terms(stats_6XG, plan.coef_XG, plan.obj)[0]
-        ctx.grads = (grad_h_XGH, grad_P)
-        ctx.param_dtypes = [p.dtype for p in params]
-        ctx.mark_non_differentiable(stats_6XG)
-        return loss, stats_6XG
-
-    @staticmethod
-    def backward(ctx, grad_loss: Tensor, _grad_stats: Tensor):
-        grad_h_XGH, grad_P = ctx.grads
-        del ctx.grads
-        scaled = [
-            None if g is None else (g * grad_loss.to(g.dtype)).to(dtype)
-            for g, dtype in zip(grad_P, ctx.param_dtypes, strict=True)
-        ]
-        return None, grad_h_XGH * grad_loss.to(grad_h_XGH.dtype), *scaled
-
-
-def _vocab_chunk(
-    plan: _VocabPlan, sl: slice, h_CGH: Tensor, params: tuple[Tensor, ...]
-) -> tuple[Tensor, tuple[Tensor | None, ...] | None]:
-    """Statistics [6, C, G] of the blocks `sl` and, when training, the gradients of their
-    loss wrt h_CGH and `params`. No vocab-sized tensor outlives the call."""
-    head, V, G = plan.head, plan.head.vocab_rows, h_CGH.shape[1]
-    # [1, C, G, H] with canonical strides (slice, then unsqueeze): F.linear folds it into one
-    # matrix product; x[None, sl] would keep the stride of the unsliced tensor on the new
-    # dim, and matmul then falls back to a batched product, several times slower.
-    h_1CGH = h_CGH.unsqueeze(0).detach().requires_grad_(plan.need_grads)
-    with torch.enable_grad():
-        base_1CGV = head.logits(h_1CGH)  # all rows: SGLang's draft does not crop them
-        prev_1CG = plan.prev_XG[sl].unsqueeze(0)
-        logits_1CGV, conf_1CG = plan.draft.apply_heads(h_1CGH, base_1CGV, prev_1CG)
-    del base_1CGV
-    with torch.no_grad():
-        # float32 output and softcap: the target's served logits (see frozen_head.py);
-        # slot_terms_ keeps its first logical_vocab rows
-        teacher_1CGV = head.teacher_logits(plan.teacher_h_XGH[sl].unsqueeze(0))
-    # logits_1CGV is scratch for slot_terms_: nothing saved its value for backward (it is
-    # the output of an addition), so overwriting it is safe.
-    t = slot_terms_(
-        logits_1CGV.view(-1, V),
-        None if conf_1CG is None else conf_1CG.reshape(-1),
-        teacher_1CGV.reshape(-1, V),
-        plan.labels_XG[sl].reshape(-1),
-        plan.coef_XG[sl].reshape(-1) if plan.need_grads else None,
-        plan.obj,
-        head.logical_vocab,
-    )
-    stats_6CG = torch.stack((t.ce_M, t.l1_M, t.alpha_M, t.bce_M, t.calib_M, t.top1_M))
-    stats_6CG = stats_6CG.view(6, -1, G)
-    if not plan.need_grads:
-        return stats_6CG, None
-    outs, grad_outs = [logits_1CGV], [t.dlogits_MV.view_as(logits_1CGV)]
-    if conf_1CG is not None:
-        outs.append(conf_1CG)
-        grad_outs.append(t.dconf_M.view_as(conf_1CG))
-    grads = torch.autograd.grad(outs, [h_1CGH, *params], grad_outs, allow_unused=True)
-    return stats_6CG, (grads[0][0], *grads[1:])
-
-
-def _weighted_terms(
-    stats_6Y: Tensor, coef_Y: Tensor, obj: ObjectiveRecipe
-) -> tuple[Tensor, Tensor]:
-    """Loss sum_slots coef * (ce_w*CE + l1_w*L1 + bce_w*BCE) and its three terms [3]
-    (Y: the slot dims, [X, G] or [B, N, G])."""
-    c_Y = coef_Y.to(stats_6Y.dtype)
-    terms_3 = torch.stack([(c_Y * stats_6Y[i]).sum() for i in (0, 1, 3)])
-    w_3 = terms_3.new_tensor([obj.ce_weight, obj.l1_weight, obj.bce_weight])
-    return (w_3 * terms_3).sum(), terms_3
-
-
-# --------------------------------------------------------------------------- entry point
-
-
-@dataclass
-class LossOutput:
-    """`loss` is what this rank backpropagates; `metrics` are pooled over the DP group.
-
-    Metrics (detached): loss, ce, l1, bce (0-d; the pooled weighted means whose rank-average
-    gradient the ranks' `loss` produce); alpha, top1, ce_k, conf_err ([G]; means over
-    supervised slots at position k, NaN where there is none); tau (0-d, the per-block
-    greedy accept length averaged over valid blocks, see the module docstring; NaN
-    without a block) and tau_slot_mean (0-d, the former value from the mean alpha; kept
-    for one release); valid_blocks, supervised_slots, weight_sum, sequences_skipped (0-d
-    counts).
-    """
-
-    loss: Tensor
-    metrics: dict[str, Tensor]
-
-    def log_dict(self) -> dict[str, float]:
-        """Flat floats for a tracker: per-position vectors become `name/k` entries."""
-        out: dict[str, float] = {}
-        for name, value in self.metrics.items():
-            if value.dim() == 0:
-                out[name] = value.item()
-            else:
-                out.update({f"{name}/{k}": v for k, v in enumerate(value.tolist())})
-        return out
 
 
 def compute_loss(
@@ -416,8 +42,7 @@ def compute_loss(
     generator: torch.Generator | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> LossOutput:
-    """Sample anchors (`generator`: a CPU generator), then `compute_loss_at` (see there and
-    the module docstring)."""
+    """Sample anchors (`generator`: a CPU generator), then `compute_loss_at`."""
     anchors_BN, block_valid_BN = sample_anchors(loss_mask_BS, obj.num_anchors, generator)
     return compute_loss_at(
         draft,
@@ -445,142 +70,30 @@ def compute_loss_at(
     obj: ObjectiveRecipe,
     group: dist.ProcessGroup | None = None,
 ) -> LossOutput:
-    """Loss and metrics of one micro-step at the given anchors.
+    """Loss and metrics of one micro-step at the given anchors (`vocab_loss.block_loss_at`
+    with the DSpark visibility mask: all G rows draft). Metrics per position have G entries.
 
-    input_ids_BS, loss_mask_BS: tokens and supervision mask (right padding needs no extra
-    mask: context keys are strictly before an anchor, which is a supervised token).
-    aux_hidden_BSD: the target's aux hidden states; last_hidden_BSH: its post-final-norm
-    hidden states (the LM head input). `head` is the frozen `FrozenHead`.
-    group: the data-parallel group; None = the default group when torch.distributed is
-    initialised, else no pooling. Every rank must call this once per micro-step.
+    input_ids_BS, loss_mask_BS: tokens and supervision mask; aux_hidden_BSD: the target's
+    aux hidden states; last_hidden_BSH: its post-final-norm hidden states (the LM head
+    input); group: the data-parallel group (None = the default group when
+    torch.distributed is initialised, else no pooling). Every rank calls this once per
+    micro-step.
     """
-    cfg = draft.config
-    G = cfg.block_size
-    B, S = input_ids_BS.shape
-    if head.vocab_rows != cfg.vocab_size:
-        raise ValueError(
-            f"draft.vocab_size={cfg.vocab_size} but the target's LM head has "
-            f"{head.vocab_rows} rows: the Markov head must cover every row the draft serves"
-        )
-    pooled = dist.is_available() and dist.is_initialized()
-    world = dist.get_world_size(group) if pooled else 1
-    skipped = int((~block_valid_BN.any(dim=1)).sum())
-    if skipped:
-        log.warning("%d of %d sequence(s) have no eligible anchor; skipped", skipped, B)
+    G = draft.config.block_size
 
-    # Trailing columns with no valid block anywhere contribute nothing: drop them, but keep
-    # at least one so every parameter still receives a (zero) gradient on every rank.
-    any_valid_N = block_valid_BN.any(dim=0)
-    n_eff = max(int(any_valid_N.nonzero().max()) + 1 if any_valid_N.any() else 0, 1)
-    bl = build_blocks(
+    def masks(anchors_BN: Tensor, block_valid_BN: Tensor, ctx_valid_BS: Tensor) -> Tensor:
+        return build_visibility_mask(anchors_BN, block_valid_BN, ctx_valid_BS, G)
+
+    return block_loss_at(
+        draft,
+        head,
         input_ids_BS,
         loss_mask_BS,
-        anchors_BN[:, :n_eff],
-        block_valid_BN[:, :n_eff],
-        G,
-        cfg.mask_token_id,
-        obj.gamma,
+        aux_hidden_BSD,
+        last_hidden_BSH,
+        anchors_BN,
+        block_valid_BN,
+        obj,
+        group,
+        masks,
     )
-    N, X = n_eff, B * n_eff
-    chunk = X if obj.chunk_size <= 0 else min(obj.chunk_size, X)  # blocks per vocab chunk
-
-    weight_sum = bl.weight_BNG.sum()
-    if pooled:
-        dist.all_reduce(weight_sum, group=group)
-    coef_BNG = bl.weight_BNG * (world / weight_sum.clamp_min(1e-12))
-
-    # Decoder: context features once, then the blocks of about `chunk` blocks at a time,
-    # checkpointed when there is more than one chunk.
-    ctx_BSH = draft.context(aux_hidden_BSD)
-    ctx_pos_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
-    ctx_valid_BS = torch.ones_like(loss_mask_BS, dtype=torch.bool)
-    with torch.no_grad():
-        emb_BNGH = head.embed(bl.ids_BNG).to(ctx_BSH.dtype)
-
-    def decode(ctx: Tensor, lo: int, hi: int) -> Tensor:
-        visible_BQK = build_visibility_mask(
-            bl.anchors_BN[:, lo:hi], bl.block_valid_BN[:, lo:hi], ctx_valid_BS, G
-        )
-        return draft(ctx, ctx_pos_BS, emb_BNGH[:, lo:hi], bl.pos_BNG[:, lo:hi], visible_BQK)
-
-    need_grads = torch.is_grad_enabled() and ctx_BSH.requires_grad
-    cols = max(chunk // B, 1)
-    spans = [(lo, min(lo + cols, N)) for lo in range(0, N, cols)]
-    if len(spans) > 1 and need_grads:
-        h_BNGH = torch.cat(
-            [checkpoint(decode, ctx_BSH, lo, hi, use_reentrant=False) for lo, hi in spans], 1
-        )
-    else:
-        h_BNGH = torch.cat([decode(ctx_BSH, lo, hi) for lo, hi in spans], 1)
-
-    with torch.no_grad():
-        idx_BX = bl.teacher_idx_BNG.reshape(B, -1)
-        H = last_hidden_BSH.shape[-1]
-        teacher_XGH = last_hidden_BSH.gather(1, idx_BX[..., None].expand(-1, -1, H))
-    plan = _VocabPlan(
-        draft=draft,
-        head=head,
-        prev_XG=bl.prev_BNG.reshape(X, G),
-        labels_XG=bl.labels_BNG.reshape(X, G),
-        teacher_h_XGH=teacher_XGH.view(X, G, H),
-        coef_XG=coef_BNG.reshape(X, G),
-        obj=obj,
-        chunk=chunk,
-        need_grads=need_grads,
-    )
-    params = [p for p in draft.parameters() if p.requires_grad] if need_grads else []
-    loss, stats_6XG = _FusedVocabLoss.apply(plan, h_BNGH.reshape(X, G, -1), *params)
-    stats_6BNG = stats_6XG.view(6, B, N, G)
-    metrics = _metrics(stats_6BNG, bl, obj, weight_sum, skipped, pooled, group)
-    return LossOutput(loss=loss, metrics=metrics)
-
-
-def accepted_drafts(top1_BNG: Tensor, eval_mask_BNG: Tensor) -> Tensor:
-    """Teacher-forced greedy accept count of each block [B, N] (long): its leading slots
-    whose draft argmax is the teacher's (top1 > 0.5), a slot outside the block's supervised
-    prefix counting as rejected. The block's accept length is this + 1."""
-    accept_BNG = (top1_BNG > 0.5) & eval_mask_BNG
-    return accept_BNG.long().cumprod(dim=-1).sum(dim=-1)
-
-
-def _metrics(
-    stats_6BNG: Tensor,
-    bl: Blocks,
-    obj: ObjectiveRecipe,
-    weight_sum: Tensor,
-    skipped: int,
-    pooled: bool,
-    group: dist.ProcessGroup | None,
-) -> dict[str, Tensor]:
-    """Pool per-slot statistics over the group (one all-reduce) into logging metrics."""
-    stats = stats_6BNG.detach().to(torch.float64)
-    mask_BNG = bl.eval_mask_BNG.to(torch.float64)
-    G = mask_BNG.shape[-1]
-    # unnormalised sums of w * term; summed over ranks and divided by the pooled W below
-    _, terms_3 = _weighted_terms(stats, bl.weight_BNG, obj)
-    per_k = [torch.where(bl.eval_mask_BNG, stats[i], 0.0).sum(dim=(0, 1)) for i in (2, 5, 0, 4)]
-    accepted = float(accepted_drafts(stats[5], bl.eval_mask_BNG).sum())
-    counts = stats.new_tensor([float(bl.block_valid_BN.sum()), float(skipped), accepted])
-    packed = torch.cat([terms_3, mask_BNG.sum(dim=(0, 1)), *per_k, counts])
-    if pooled:
-        dist.all_reduce(packed, group=group)
-    terms_3, n_G, alpha_G, top1_G, ce_G, calib_G, counts = packed.split([3, G, G, G, G, G, 3])
-    terms_3 = terms_3 / weight_sum.clamp_min(1e-12)
-    w_3 = terms_3.new_tensor([obj.ce_weight, obj.l1_weight, obj.bce_weight])
-    alpha_G = alpha_G / n_G
-    return {
-        "loss": (w_3 * terms_3).sum(),
-        "ce": terms_3[0],
-        "l1": terms_3[1],
-        "bce": terms_3[2],
-        "alpha": alpha_G,
-        "top1": top1_G / n_G,
-        "ce_k": ce_G / n_G,
-        "conf_err": calib_G / n_G,
-        "tau": 1.0 + counts[2] / counts[0],  # NaN without a valid block
-        "tau_slot_mean": 1.0 + alpha_G.cumprod(dim=0).sum(),
-        "valid_blocks": counts[0],
-        "supervised_slots": n_G.sum(),
-        "weight_sum": weight_sum.detach(),
-        "sequences_skipped": counts[1],
-    }

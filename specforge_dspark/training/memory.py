@@ -75,3 +75,42 @@ def report(recipe: Recipe, trainable_params: int, world: int) -> list[str]:
     lines += [f"  {k:<34} {v / scale:>9.2f} {unit}" for k, v in est.items()]
     lines.append(f"  {'total':<34} {total / scale:>9.2f} {unit}")
     return lines
+
+
+def dry_run_summary(recipe: Recipe, world: int = 1) -> list[str]:
+    """What `train.py --dry-run` prints: the draft built on the meta device (parameter
+    groups, trainable count), the objective, the backend and the memory estimate."""
+    import torch
+
+    from specforge_dspark.drafters.registry import new_draft
+
+    with torch.device("meta"):
+        draft = new_draft(recipe.draft)
+    groups: dict[str, int] = {}
+    for name, p in draft.named_parameters():
+        key = name.split(".")[0] if not name.startswith("layers.") else "layers"
+        groups[key] = groups.get(key, 0) + p.numel()
+    n = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    d = recipe.draft
+    heads = (
+        f"markov {d.markov_head_type} r={d.markov_rank}"
+        if d.kind == "dspark"
+        else f"layers {sorted(set(draft.config.layer_types))}, window {d.sliding_window}"
+    )
+    lines = [f"recipe: {recipe.source}"]
+    lines.append(
+        f"draft ({d.kind}): {d.num_hidden_layers} layers, hidden {d.hidden_size}, heads "
+        f"{d.num_attention_heads}/{d.num_key_value_heads}, block {d.block_size}, aux layers "
+        f"{d.target_layer_ids} of {d.num_target_layers}, {heads}"
+    )
+    for k, v in groups.items():
+        lines.append(f"  {k:<16} {v:>14,d}")
+    o = recipe.objective
+    lines.append(
+        f"objective: {o.ce_weight} CE + {o.l1_weight} L1 + {o.bce_weight} BCE, "
+        f"{o.num_anchors} anchors, gamma {o.gamma}, chunk {o.chunk_size}"
+    )
+    lines.append(f"target backend: {recipe.target.backend} ({recipe.target.path})")
+    lines += report(recipe, n, world)
+    lines.append(f"trainable_params: {n}")
+    return lines

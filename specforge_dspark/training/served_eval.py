@@ -1,13 +1,13 @@
 """Served accept length during training (`train.served_eval`).
 
 Every `train.eval_interval` steps and at the end, each rank decodes its share of a
-fixed set of held-out prompts by real greedy speculative decoding (evaluation/
-spec_decode.py: the hf target verifies the draft's blocks, its output equals plain
-greedy) with the draft's current weights, and the ranks pool committed tokens and
-verify steps. Logged as `eval/accept_length` beside the teacher-forced `eval/tau` of
-the same step and their gap `eval/tau_minus_accept_length`. Greedy decoding of fixed
-prompts from the same weights is deterministic, so a resumed run logs the same values
-at the same steps (given an exact resume, checkpoint.py).
+fixed set of held-out prompts by real greedy speculative decoding (decoding/
+spec_decode.py, one loop for either drafter kind: the hf target verifies the draft's
+blocks, its output equals plain greedy) with the draft's current weights, and the ranks
+pool committed tokens and verify steps. Logged as `eval/accept_length` beside the
+teacher-forced `eval/tau` of the same step and their gap `eval/tau_minus_accept_length`.
+Greedy decoding of fixed prompts from the same weights is deterministic, so a resumed
+run logs the same values at the same steps (given an exact resume, checkpoint.py).
 
 Bounded time: a rank starts no prompt after `max_seconds`; the prompts it skipped are
 logged as `eval/served_skipped` (then the figure covers fewer prompts).
@@ -28,7 +28,6 @@ class ServedEval:
     prompts: list[list[int]]  # this rank's share of the rendered prompts
     max_new_tokens: int
     max_seconds: float
-    kind: str
 
 
 def build_served_eval(recipe, rank: int, world: int, device: torch.device) -> ServedEval | None:
@@ -50,23 +49,14 @@ def build_served_eval(recipe, rank: int, world: int, device: torch.device) -> Se
         for i, c in enumerate(convs)
         if i % world == rank
     ]
-    kind = getattr(recipe.draft, "kind", "dspark")
-    return ServedEval(target, mine, se.max_new_tokens, se.max_seconds, kind)
-
-
-def _generate(se: ServedEval, draft, prompt: list[int], embed_fn, logits_fn):
-    if se.kind == "dflash":
-        from evaluation.dflash_decode import dflash_generate
-
-        return dflash_generate(se.target, draft, prompt, se.max_new_tokens, embed_fn, logits_fn)
-    from specforge_dspark.decoding.spec_decode import speculative_generate
-
-    return speculative_generate(se.target, draft, prompt, se.max_new_tokens, embed_fn, logits_fn)
+    return ServedEval(target, mine, se.max_new_tokens, se.max_seconds)
 
 
 @torch.no_grad()
 def served_accept_length(se: ServedEval, draft: torch.nn.Module, head, device) -> dict:
     """Pooled over the ranks (a collective when distributed): accept length and counts."""
+    from specforge_dspark.decoding.spec_decode import speculative_generate
+
     was_training = draft.training
     draft.eval()
     committed = steps = prompts = skipped = 0
@@ -76,7 +66,9 @@ def served_accept_length(se: ServedEval, draft: torch.nn.Module, head, device) -
             if time.perf_counter() - t0 > se.max_seconds:
                 skipped += 1
                 continue
-            gen = _generate(se, draft, prompt, head.embed, head.logits)
+            gen = speculative_generate(
+                se.target, draft, prompt, se.max_new_tokens, head.embed, head.logits
+            )
             committed += sum(s.committed for s in gen.steps)
             steps += len(gen.steps)
             prompts += 1

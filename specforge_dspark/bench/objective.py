@@ -1,10 +1,4 @@
-"""Benchmarks: `python -m specforge_dspark.bench objective|stream|prepare|all [args]`.
-
-Each benchmark is a function `bench_main(argv: list[str] | None = None) -> int` in its own
-module (table below), imported only when asked for; extra arguments after the name go to
-it. `all` runs every benchmark with its defaults and says which ones are not available.
-
-objective: one forward+backward of the draft and the objective on CPU at the real Inkling
+"""objective: one forward+backward of the draft and the objective on CPU at the real Inkling
 vocabulary (201024 LM-head rows, 200058 logical), hidden 256, 2 layers, 3 aux layers,
 S=4096, random weights and features, for each block size G (DSpark, G = 7 and 16 by
 default: the production DSpark and Inkling-Small blocks; `--kind dflash` for DFlash), anchor
@@ -21,17 +15,10 @@ available now) is skipped with a message. Then, per G and chunked size, one line
 from __future__ import annotations
 
 import argparse
-import importlib
 import resource
 import subprocess
 import sys
 import time
-
-BENCHES = {
-    "objective": ("specforge_dspark.bench", "objective_main"),
-    "stream": ("specforge_dspark.training.stream", "bench_main"),
-    "prepare": ("data_pipelines.prepare", "bench_main"),
-}
 
 VOCAB_ROWS, LOGICAL_VOCAB, MASK_TOKEN = 201024, 200058, 200064
 SEQ_LEN, PROMPT_LEN, WARMUP_ANCHORS = 4096, 512, 16
@@ -41,31 +28,7 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 BASE_MB, VOCAB_COPIES = 930, 3.0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in (*BENCHES, "all"):
-        print(f"usage: python -m specforge_dspark.bench {{{'|'.join([*BENCHES, 'all'])}}} [args]")
-        return 2
-    name, rest = argv[0], argv[1:]
-    if name != "all":
-        return _run(name, rest)
-    return max(_run(n, []) for n in BENCHES)
-
-
-def _run(name: str, argv: list[str]) -> int:
-    module, attr = BENCHES[name]
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        print(f"bench {name}: not available ({module}.{attr}: {e})", flush=True)
-        return 1
-    return int(fn(argv) or 0)
-
-
-# --------------------------------------------------------------------------- objective
-
-
-def objective_main(argv: list[str] | None = None) -> int:
+def bench_main(argv: list[str] | None = None) -> int:
     """Runs each configuration in a fresh subprocess and prints its line."""
     ap = argparse.ArgumentParser(prog="bench objective", description=__doc__)
     ap.add_argument("--anchors", type=int, nargs="+", default=[32, 256])
@@ -182,7 +145,3 @@ def _objective_once(
         f"objective kind={kind} G={block_size} dtype={dtype_name} anchors={num_anchors} "
         f"chunk={chunk} tokens_per_s={tokens / seconds:.1f} peak_rss_mb={peak_mb:.0f}"
     )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Benchmarks: `python -m specforge_dspark.bench objective|stream|prepare|all [args]`.
+
+Each benchmark is a function `bench_main(argv: list[str] | None = None) -> int` in its own
+module (table below), imported only when asked for; extra arguments after the name go to
+it. `all` runs every benchmark with its defaults and says which ones are not available.
+
+objective: bench/objective.py; stream: bench/stream.py; prepare: data_pipelines/prepare.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHES = {
+    "objective": ("specforge_dspark.bench.objective", "bench_main"),
+    "stream": ("specforge_dspark.bench.stream", "bench_main"),
+    "prepare": ("data_pipelines.prepare", "bench_main"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in (*BENCHES, "all"):
+        print(f"usage: python -m specforge_dspark.bench {{{'|'.join([*BENCHES, 'all'])}}} [args]")
+        return 2
+    name, rest = argv[0], argv[1:]
+    if name != "all":
+        return _run(name, rest)
+    return max(_run(n, []) for n in BENCHES)
+
+
+def _run(name: str, argv: list[str]) -> int:
+    module, attr = BENCHES[name]
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        print(f"bench {name}: not available ({module}.{attr}: {e})", flush=True)
+        return 1
+    return int(fn(argv) or 0)

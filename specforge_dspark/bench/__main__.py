@@ -1,0 +1,7 @@
+"""`python -m specforge_dspark.bench objective|stream|prepare|all [args]`."""
+
+import sys
+
+from specforge_dspark.bench import main
+
+sys.exit(main())

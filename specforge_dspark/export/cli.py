@@ -1,0 +1,79 @@
+"""The export command line: `python -m specforge_dspark.export` (see the package
+docstring), and the dispatch of a checkpoint to the export of its drafter kind."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from specforge_dspark.export import dflash, dspark
+from specforge_dspark.export.dspark import FORMATS
+from specforge_dspark.export.source import checkpoint_kind
+from specforge_dspark.export.speculators import SPECULATORS_VOCABS
+
+
+def export_checkpoint(
+    ckpt_dir: str | Path,
+    fmt: str,
+    out_dir: str | Path,
+    target_path: str | Path | None = None,
+    verifier_name: str | None = None,
+    speculators_vocab: str | None = None,
+) -> Path:
+    """Export a training checkpoint (or an exported SGLang directory) as `fmt`: a DFlash
+    one (recipe `draft.kind: dflash`) with `dflash.export_dflash_checkpoint`, else with
+    `dspark.export_dspark_checkpoint` (its docstring: defaults taken from the recipe)."""
+    if checkpoint_kind(ckpt_dir) == "dflash":
+        return dflash.export_dflash_checkpoint(ckpt_dir, fmt, out_dir, target_path)
+    return dspark.export_dspark_checkpoint(
+        ckpt_dir, fmt, out_dir, target_path, verifier_name, speculators_vocab
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m specforge_dspark.export",
+        description="Export a DSpark draft checkpoint for SGLang or vLLM (speculators).",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="step-N checkpoint, a checkpoint root (latest complete), or an SGLang export",
+    )
+    parser.add_argument("--format", required=True, choices=FORMATS)
+    parser.add_argument("--out", required=True, help="output directory (replaced)")
+    parser.add_argument(
+        "--target", default=None, help="target model directory (default: recipe target.path)"
+    )
+    parser.add_argument(
+        "--verifier-name",
+        default=None,
+        help="verifier recorded in the speculators config (default: export.verifier_name, "
+        "else the target's absolute path)",
+    )
+    parser.add_argument(
+        "--speculators-vocab",
+        default=None,
+        choices=SPECULATORS_VOCABS,
+        help="speculators draft vocabulary: full (every LM-head row, no t2d/d2t) or reduced "
+        "(logical vocab + t2d/d2t, for vLLM builds without the full-vocab identity map); "
+        "default: export.speculators_vocab, else full",
+    )
+    args = parser.parse_args(argv)
+    if args.speculators_vocab and args.format != "speculators":
+        print(f"warning: --speculators-vocab is ignored by --format {args.format}", file=sys.stderr)
+    try:
+        out = export_checkpoint(
+            args.checkpoint,
+            args.format,
+            args.out,
+            args.target,
+            args.verifier_name,
+            args.speculators_vocab,
+        )
+    except ValueError as e:  # ExportError, RecipeError, bad config.json
+        print(f"export failed: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.format} export written to {out}")
+    return 0

@@ -1,0 +1,78 @@
+"""Process group, DeepSpeed configuration and the LR schedule of a training run.
+
+torchrun's environment (or a single process) gives rank and world size; gloo on CPU,
+NCCL on GPU. DeepSpeed steps the draft with torch's AdamW (no JIT-compiled optimizer).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+
+import torch
+
+from specforge_dspark.recipe import Recipe
+
+
+def init_distributed(recipe: Recipe) -> tuple[int, int, torch.device]:
+    """torchrun's env (or a single process); gloo on CPU, NCCL on GPU."""
+    import deepspeed
+
+    skip_deepspeed_shm_build()
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    cuda = torch.cuda.is_available() and recipe.dist.backend != "gloo"
+    backend = recipe.dist.backend if recipe.dist.backend != "auto" else ("nccl" if cuda else "gloo")
+    local = int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local)
+    deepspeed.init_distributed(dist_backend=backend)
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
+
+
+def skip_deepspeed_shm_build() -> None:
+    """DeepSpeed JIT-compiles a CPU shared-memory comm op (minutes) that gloo never needs.
+
+    `deepspeed.comm.torch` is shadowed by torch as an attribute of `deepspeed.comm`, so
+    the module is patched through sys.modules.
+    """
+    mod = importlib.import_module("deepspeed.comm.torch")
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    del mod
+
+
+def deepspeed_config(recipe: Recipe, device: torch.device) -> dict:
+    bf16 = recipe.dist.precision == "bf16" or (
+        recipe.dist.precision == "auto" and device.type == "cuda"
+    )
+    return {
+        "train_micro_batch_size_per_gpu": recipe.train.micro_batch_size,
+        "gradient_accumulation_steps": recipe.train.grad_accum,
+        "gradient_clipping": recipe.optim.grad_clip,
+        "zero_optimization": {"stage": recipe.dist.zero_stage},
+        # skip a step whose gradient norm is non-finite (nonfinite.py; fp32 ZeRO always does)
+        "bf16": {"enabled": bf16, "check_grad_overflow": True},
+        "steps_per_print": 10**12,
+        "wall_clock_breakdown": False,
+    }
+
+
+def lr_lambda(recipe: Recipe, total_steps: int):
+    o = recipe.optim
+    warm = int(round(o.warmup_ratio * total_steps))
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        if o.scheduler == "constant":
+            return 1.0
+        progress = min(1.0, (step - warm) / max(1, total_steps - warm))
+        return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
