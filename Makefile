@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TINY_TARGET := .cache/tiny_target
+TINY_QWEN3 := .cache/tiny_qwen3
 NPROC ?= 2
 
 # Hermetic runs: nothing reaches a hub; caches stay inside the repo.
@@ -19,7 +20,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 export TRITON_CACHE_DIR := $(CURDIR)/.cache/triton
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo test test-quick lint format bench tiny-target clean
+.PHONY: setup demo test test-quick lint format bench tiny-target tiny-targets clean
 
 setup: $(STAMP)
 
@@ -36,8 +37,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q -c constraints.txt --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	touch $@
 
+# The tiny Inkling target (the embedded default) and, for the tests, the tiny Qwen3 one
+# (what the CPU SGLang engine serves); each rebuilt only when its build key changes.
 tiny-target: setup
 	$(PY) -m specforge_dspark.tiny_target --out $(TINY_TARGET)
+
+tiny-targets: tiny-target
+	$(PY) -m specforge_dspark.tiny_target --arch qwen3 --out $(TINY_QWEN3)
 
 demo: setup tiny-target
 	$(PY) scripts/demo.py --nproc $(NPROC)
@@ -49,7 +55,7 @@ test: setup
 
 # For iteration: no live servers, no multi-process drills or training runs (markers
 # `slow` and `server`); a few minutes once the tiny target is cached.
-test-quick: setup tiny-target
+test-quick: setup tiny-targets
 	$(PY) -m pytest tests -m "not slow and not server" --durations=10
 
 lint: setup

@@ -19,7 +19,6 @@ repeated calibrations).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from pathlib import Path
 
 from specforge_dspark.decoding.calibration import calibrate_draft, position_eces
@@ -33,30 +32,13 @@ def calibrate(
     num_prompts: int,
     max_new_tokens: int,
     out_dir: str | Path,
-    export_dir: str | Path | None = None,
-    temperature: float = 0.0,
-    seed: int = 0,
-    data_dir: str | Path | None = None,
-    device: str = "cpu",
-    log: Callable[[str], None] = print,
-    offset: bool = True,
+    **options,
 ) -> dict:
     """`decoding.calibration.calibrate_draft` (the fit, the STS file, calibration.json,
-    the export calibrated in place) plus DIR/calibration.md and calibration.png."""
+    the export calibrated in place; `options` as there) plus DIR/calibration.md and
+    calibration.png."""
     report = calibrate_draft(
-        target_path,
-        draft,
-        workloads,
-        num_prompts,
-        max_new_tokens,
-        out_dir,
-        export_dir,
-        temperature,
-        seed,
-        data_dir,
-        device,
-        log,
-        offset,
+        target_path, draft, workloads, num_prompts, max_new_tokens, out_dir, **options
     )
     write_markdown(report, Path(out_dir) / "calibration.md")
     write_plot(report, Path(out_dir) / "calibration.png")

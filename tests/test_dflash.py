@@ -9,7 +9,7 @@ import torch
 
 from specforge_dspark.drafters.dflash import DFlashConfig, DFlashDraft, build_dflash_masks
 from specforge_dspark.frozen_head import FrozenHead
-from specforge_dspark.objective.dflash import compute_dflash_loss_at
+from specforge_dspark.objective.loss import compute_loss_at
 from specforge_dspark.recipe import ObjectiveRecipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -118,7 +118,7 @@ def test_loss_equals_the_naive_reference_and_chunking_changes_nothing():
     anchors = [3, 6, 9, 13]
     anchors_BN, valid = torch.tensor([anchors]), torch.ones(1, 4, dtype=torch.bool)
     obj = ObjectiveRecipe(num_anchors=4, bce_weight=0.0, chunk_size=0)
-    out = compute_dflash_loss_at(draft, head, ids, mask, aux, last, anchors_BN, valid, obj)
+    out = compute_loss_at(draft, head, ids, mask, aux, last, anchors_BN, valid, obj)
     ref = naive_loss(draft, head, ids, mask, aux, last, anchors, obj)
     torch.testing.assert_close(out.loss, ref, rtol=1e-10, atol=1e-12)
     assert out.metrics["alpha"].shape == (draft.config.block_size - 1,)
@@ -127,7 +127,7 @@ def test_loss_equals_the_naive_reference_and_chunking_changes_nothing():
     grads = {n: p.grad.clone() for n, p in draft.named_parameters()}
     draft.zero_grad()
     chunked = ObjectiveRecipe(num_anchors=4, bce_weight=0.0, chunk_size=1)
-    out1 = compute_dflash_loss_at(draft, head, ids, mask, aux, last, anchors_BN, valid, chunked)
+    out1 = compute_loss_at(draft, head, ids, mask, aux, last, anchors_BN, valid, chunked)
     out1.loss.backward()
     torch.testing.assert_close(out1.loss, out.loss, rtol=1e-12, atol=0)
     for n, p in draft.named_parameters():

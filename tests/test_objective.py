@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
 from specforge_dspark.frozen_head import FrozenHead
 from specforge_dspark.objective.blocks import build_blocks, sample_anchors
-from specforge_dspark.objective.dspark import compute_loss, compute_loss_at
+from specforge_dspark.objective.loss import compute_loss, compute_loss_at
 from specforge_dspark.recipe import ObjectiveRecipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from specforge_dspark.objective.dspark import compute_loss_at
+from specforge_dspark.objective.loss import compute_loss_at
 from tests.test_objective import OBJ, anchors_for, make_batch, make_models, to64
 
 SHARDS = ([0, 2], [1, 3])  # rank 0: 3 valid blocks and a skipped sequence; rank 1: 12 blocks

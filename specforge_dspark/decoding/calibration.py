@@ -324,16 +324,13 @@ def calibrate_export(
     num_prompts: int = 8,
     max_new_tokens: int = 64,
     out_dir: str | Path | None = None,
-    temperature: float = 0.0,
-    seed: int = 0,
-    data_dir: str | Path | None = None,
-    device: str = "cpu",
-    log: Callable[[str], None] = print,
-    offset: bool = True,
+    **options,
 ) -> dict:
     """Calibrate an SGLang-layout export in place: EXPORT/sts_calibration.json (and, with
     `offset`, its confidence bias), the report in `out_dir` (default EXPORT/../calibration;
-    calibration.json, without the markdown and plot of `python -m evaluation.calibrate`)."""
+    calibration.json, without the markdown and plot of `python -m evaluation.calibrate`).
+    `options`: `calibrate_draft`'s keywords (temperature, seed, data_dir, device, log,
+    offset)."""
     export_dir = Path(export_dir)
     out = Path(out_dir) if out_dir is not None else export_dir.parent / "calibration"
     return calibrate_draft(
@@ -344,12 +341,7 @@ def calibrate_export(
         max_new_tokens,
         out,
         export_dir=export_dir,
-        temperature=temperature,
-        seed=seed,
-        data_dir=data_dir,
-        device=device,
-        log=log,
-        offset=offset,
+        **options,
     )
 
 

@@ -32,7 +32,6 @@ K = S + Q keys, H hidden, D = m*H aux features, V vocab rows).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,11 +41,15 @@ import torch
 from torch import nn
 
 from specforge_dspark.drafters.io import (
-    config_value,
+    check_decoder_fields,
+    config_reader,
     context_features,
+    from_attributes,
     load_checked,
     read_config,
+    read_decoder_fields,
     save_layout,
+    sglang_config,
 )
 from specforge_dspark.drafters.layers import (
     DecoderLayer,
@@ -108,30 +111,9 @@ class DFlashConfig:
     """Keys a sliding layer's query sees, itself included (HF convention); 0 = none."""
 
     def __post_init__(self) -> None:
-        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-        self.layer_types = list(self.layer_types) or ["full_attention"] * self.num_hidden_layers
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"DFlashConfig.{name} must be > 0, got {getattr(self, name)}")
+        check_decoder_fields(self)
         if self.block_size < 2:
             raise ValueError(f"DFlashConfig.block_size must be >= 2, got {self.block_size}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("DFlashConfig.num_attention_heads must be a multiple of kv heads")
-        if self.hidden_act != "silu":
-            raise ValueError(f"DFlashConfig.hidden_act must be 'silu', got {self.hidden_act!r}")
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(
-                f"DFlashConfig.mask_token_id ({self.mask_token_id}) must be in "
-                f"[0, vocab_size={self.vocab_size})"
-            )
-        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
-        if not self.target_layer_ids or bad:
-            raise ValueError(f"DFlashConfig.target_layer_ids {self.target_layer_ids} invalid")
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"DFlashConfig.layer_types has {len(self.layer_types)} entries, "
-                f"num_hidden_layers is {self.num_hidden_layers}"
-            )
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if unknown:
             raise ValueError(f"DFlashConfig.layer_types: unknown {unknown}; use {LAYER_TYPES}")
@@ -144,75 +126,28 @@ class DFlashConfig:
     @classmethod
     def from_recipe(cls, draft: DraftRecipe) -> DFlashConfig:
         """From a `recipe.DraftRecipe` (the DSpark-only fields are not read)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{n: getattr(draft, n) for n in names if hasattr(draft, n)})
+        return from_attributes(cls, draft)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DFlashConfig:
         """Read a SGLang DFlash config.json; dflash_config wins over the root, as in
-        `parse_dflash_draft_config`. Settings served with other math raise ValueError."""
-        nested = d.get("dflash_config") or {}
-
-        def get(key: str, default: Any = None) -> Any:
-            value = nested.get(key, d.get(key))
-            if value is None and default is None:
-                raise ValueError(f"config.json: {key} is missing (dflash_config and root)")
-            return default if value is None else value
-
-        for key, allowed in _SUPPORTED_VALUES.items():
-            value = nested.get(key, d.get(key))
-            if value is not None and value not in allowed:
-                raise ValueError(f"config.json: {key}={value!r} is not supported by DFlashDraft")
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError("config.json: only the default RoPE is supported")
-        heads, hidden = int(get("num_attention_heads")), int(get("hidden_size"))
-        layer_ids = [int(i) for i in get("target_layer_ids")]
-        return cls(
-            hidden_size=hidden,
-            num_hidden_layers=int(get("num_hidden_layers")),
-            num_attention_heads=heads,
-            num_key_value_heads=int(get("num_key_value_heads", heads)),
-            head_dim=int(get("head_dim", hidden // heads)),
-            intermediate_size=int(get("intermediate_size")),
-            hidden_act=str(get("hidden_act", "silu")),
-            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta") or get("rope_theta", 10000.0)),
-            max_position_embeddings=int(get("max_position_embeddings", 32768)),
-            vocab_size=int(get("vocab_size")),
-            block_size=int(get("block_size", 16)),
-            target_layer_ids=layer_ids,
-            num_target_layers=int(get("num_target_layers", max(layer_ids) + 1)),
-            mask_token_id=int(get("mask_token_id")),
-            layer_types=list(get("layer_types", [])),
-            sliding_window=int(d.get("sliding_window") or 0),
-        )
+        `parse_dflash_draft_config`; defaults as in `io.read_decoder_fields`, block_size 16.
+        Settings served with other math raise ValueError."""
+        get = config_reader(d, d.get("dflash_config") or {}, root_wins=False)
+        decoder = read_decoder_fields(d, get, _SUPPORTED_VALUES, "DFlashDraft", block_size=16)
+        return cls(**decoder, sliding_window=int(d.get("sliding_window") or 0))
 
     def to_dict(self) -> dict[str, Any]:
         """SGLang DFLASH layout: `DFlashDraftModel`, DFlash keys in dflash_config (and the
         root), `layer_types` + `sliding_window` (with `use_sliding_window`) at the root."""
-        dflash = {k: config_value(getattr(self, k)) for k in DFLASH_KEYS}
-        arch = {
-            f.name: config_value(getattr(self, f.name))
-            for f in dataclasses.fields(self)
-            if f.name not in DFLASH_KEYS and f.name != "sliding_window"
-        }
         # transformers' Qwen3Config (which SGLang parses this file with) keeps
         # sliding_window only with use_sliding_window; layer_types are kept as given.
         window = {"use_sliding_window": False}
         if "sliding_attention" in self.layer_types:
             window = {"use_sliding_window": True, "sliding_window": self.sliding_window}
-        return {
-            "architectures": [ARCHITECTURE],
-            "model_type": "qwen3",
-            **arch,
-            **window,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "attention_bias": False,
-            "tie_word_embeddings": False,
-            **dflash,
-            "dflash_config": dict(dflash),
-        }
+        return sglang_config(
+            self, ARCHITECTURE, DFLASH_KEYS, omit=("sliding_window",), after_fields=window
+        )
 
 
 # --------------------------------------------------------------------------- masks
@@ -288,16 +223,7 @@ class DFlashDraft(nn.Module):
     ) -> torch.Tensor:
         """Final-normed hidden states `[B, N, G, H]` of every block row (row 0 included);
         `masks` from `self.masks`. A query with no visible key gets attention output 0."""
-        return decode_blocks(
-            self.layers,
-            self.norm,
-            self.config,
-            ctx_BSH,
-            ctx_pos_BS,
-            block_emb_BNGH,
-            block_pos_BNG,
-            masks,
-        )
+        return decode_blocks(self, ctx_BSH, ctx_pos_BS, block_emb_BNGH, block_pos_BNG, masks)
 
     def apply_heads(
         self, h_BNGH: torch.Tensor, base_logits_BNGV: torch.Tensor, prev_BNG: torch.Tensor

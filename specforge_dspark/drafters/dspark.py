@@ -41,8 +41,6 @@ Shape legend:
 
 from __future__ import annotations
 
-import dataclasses
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,11 +50,16 @@ import torch
 from torch import nn
 
 from specforge_dspark.drafters.io import (
-    config_value,
+    DECODER_SIZES,
+    check_decoder_fields,
+    config_reader,
     context_features,
+    from_attributes,
     load_checked,
     read_config,
+    read_decoder_fields,
     save_layout,
+    sglang_config,
 )
 from specforge_dspark.drafters.layers import (
     ConfidenceHead,
@@ -102,7 +105,8 @@ _SUPPORTED_VALUES: dict[str, tuple] = {
     "projector_type": (),
     "selector_rank": (0,),
 }
-_MISSING = object()
+_SIZES = (*DECODER_SIZES, "block_size", "markov_rank")
+"""Fields that must be > 0."""
 
 
 # --------------------------------------------------------------------------- config
@@ -136,53 +140,11 @@ class DSparkConfig:
     """One entry per draft layer; empty means all "full_attention"."""
 
     def __post_init__(self) -> None:
-        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-        self.layer_types = list(self.layer_types) or ["full_attention"] * self.num_hidden_layers
-        for name in (
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "intermediate_size",
-            "vocab_size",
-            "block_size",
-            "num_target_layers",
-            "markov_rank",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"DSparkConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"DSparkConfig.num_attention_heads ({self.num_attention_heads}) must be a "
-                f"multiple of num_key_value_heads ({self.num_key_value_heads}) (GQA)"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"DSparkConfig.head_dim must be even (RoPE), got {self.head_dim}")
-        if self.hidden_act != "silu":
-            raise ValueError(f"DSparkConfig.hidden_act must be 'silu', got {self.hidden_act!r}")
+        check_decoder_fields(self, _SIZES)
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
             raise ValueError(
                 f"DSparkConfig.markov_head_type must be one of {MARKOV_HEAD_TYPES}, "
                 f"got {self.markov_head_type!r}"
-            )
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(
-                f"DSparkConfig.mask_token_id ({self.mask_token_id}) must be in "
-                f"[0, vocab_size={self.vocab_size})"
-            )
-        if not self.target_layer_ids:
-            raise ValueError("DSparkConfig.target_layer_ids must name at least one layer")
-        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
-        if bad:
-            raise ValueError(
-                f"DSparkConfig.target_layer_ids {bad} outside [0, num_target_layers="
-                f"{self.num_target_layers})"
-            )
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"DSparkConfig.layer_types has {len(self.layer_types)} entries, "
-                f"num_hidden_layers is {self.num_hidden_layers}"
             )
         if set(self.layer_types) != {"full_attention"}:
             raise ValueError(
@@ -192,12 +154,7 @@ class DSparkConfig:
     @classmethod
     def from_recipe(cls, draft: DraftRecipe) -> DSparkConfig:
         """From a `recipe.DraftRecipe` (or anything with the same attribute names)."""
-        kwargs = {
-            f.name: getattr(draft, f.name)
-            for f in dataclasses.fields(cls)
-            if hasattr(draft, f.name)
-        }
-        return cls(**kwargs)
+        return from_attributes(cls, draft)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DSparkConfig:
@@ -205,84 +162,28 @@ class DSparkConfig:
 
         DSpark keys are read at the root or inside `dflash_config` / `dspark_config`;
         the root wins (SGLang builds its Markov and confidence heads from the root) and a
-        disagreement is warned about. Defaults follow SGLang: num_key_value_heads =
-        num_attention_heads, head_dim = hidden_size / num_attention_heads, rope_theta from
-        `rope_parameters` then `rope_theta` then 10000, block_size 7
-        (DEFAULT_DSPARK_GAMMA), num_target_layers = max(target_layer_ids) + 1,
-        enable_confidence_head true, confidence_head_with_markov = markov_rank > 0.
+        disagreement is warned about. Defaults follow SGLang (`io.read_decoder_fields`),
+        block_size 7 (DEFAULT_DSPARK_GAMMA), enable_confidence_head true,
+        confidence_head_with_markov = markov_rank > 0.
         mask_token_id, markov_rank, markov_head_type and target_layer_ids are required,
         as are settings SGLang would serve with different math (ValueError names them).
         """
         nested = {**(d.get("dflash_config") or {}), **(d.get("dspark_config") or {})}
-
-        def get(key: str, default: Any = _MISSING) -> Any:
-            root, inner = d.get(key), nested.get(key)
-            if root is not None and inner is not None and root != inner:
-                warnings.warn(
-                    f"config.json: {key} is {root!r} at the root but {inner!r} in "
-                    "dflash_config; using the root value",
-                    stacklevel=3,
-                )
-            value = root if root is not None else inner
-            if value is None and default is _MISSING:
-                raise ValueError(f"config.json: {key} is missing (root and dflash_config)")
-            return default if value is None else value
-
-        for key, allowed in _SUPPORTED_VALUES.items():
-            value = get(key, None)
-            if value is not None and value not in allowed:
-                raise ValueError(f"config.json: {key}={value!r} is not supported by DSparkDraft")
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"config.json: rope_type={rope_type!r} is not supported")
-
-        heads = int(get("num_attention_heads"))
-        hidden = int(get("hidden_size"))
-        layer_ids = [int(i) for i in get("target_layer_ids")]
+        get = config_reader(d, nested, root_wins=True)
+        decoder = read_decoder_fields(d, get, _SUPPORTED_VALUES, "DSparkDraft", block_size=7)
         markov_rank = int(get("markov_rank"))
         return cls(
-            hidden_size=hidden,
-            num_hidden_layers=int(get("num_hidden_layers")),
-            num_attention_heads=heads,
-            num_key_value_heads=int(get("num_key_value_heads", heads)),
-            head_dim=int(get("head_dim", hidden // heads)),
-            intermediate_size=int(get("intermediate_size")),
-            hidden_act=str(get("hidden_act", "silu")),
-            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta") or get("rope_theta", 10000.0)),
-            max_position_embeddings=int(get("max_position_embeddings", 32768)),
-            vocab_size=int(get("vocab_size")),
-            block_size=int(get("block_size", 7)),
-            target_layer_ids=layer_ids,
-            num_target_layers=int(get("num_target_layers", max(layer_ids) + 1)),
-            mask_token_id=int(get("mask_token_id")),
+            **decoder,
             markov_rank=markov_rank,
             markov_head_type=str(get("markov_head_type")).lower(),
             enable_confidence_head=bool(get("enable_confidence_head", True)),
             confidence_head_with_markov=bool(get("confidence_head_with_markov", markov_rank > 0)),
-            layer_types=list(get("layer_types", [])),
         )
 
     def to_dict(self) -> dict[str, Any]:
         """SGLang layout (DSPARK_SPEC.md s.6): DSpark keys at the root AND in dflash_config."""
-        dspark = {k: config_value(getattr(self, k)) for k in DSPARK_KEYS}
-        arch = {
-            f.name: config_value(getattr(self, f.name))
-            for f in dataclasses.fields(self)
-            if f.name not in DSPARK_KEYS
-        }
-        return {
-            "architectures": [ARCHITECTURE],
-            "model_type": "qwen3",
-            **arch,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "attention_bias": False,
-            "tie_word_embeddings": False,
-            "sample_from_anchor": True,
-            **dspark,
-            "dflash_config": dict(dspark),
-        }
+        settings = {"sample_from_anchor": True}
+        return sglang_config(self, ARCHITECTURE, DSPARK_KEYS, settings=settings)
 
 
 # --------------------------------------------------------------------------- model
@@ -309,6 +210,13 @@ class DSparkDraft(nn.Module):
         """Drafted tokens per block: G (slot k drafts the token after row k's position)."""
         return self.config.block_size
 
+    def masks(
+        self, anchors_BN: torch.Tensor, block_valid_BN: torch.Tensor, ctx_valid_BS: torch.Tensor
+    ) -> torch.Tensor:
+        """The attention mask `forward` takes for these blocks (`build_visibility_mask`)."""
+        G = self.config.block_size
+        return build_visibility_mask(anchors_BN, block_valid_BN, ctx_valid_BS, G)
+
     def context(self, aux_hidden_BSD: torch.Tensor) -> torch.Tensor:
         """Shared context features `[B, S, H]` = hidden_norm(fc(aux)), D = m*H."""
         return context_features(self.fc, self.hidden_norm, aux_hidden_BSD)
@@ -328,16 +236,7 @@ class DSparkDraft(nn.Module):
         `build_visibility_mask`. A query with no visible key gets attention output 0.
         """
         masks = {"full_attention": visible_BQK}
-        return decode_blocks(
-            self.layers,
-            self.norm,
-            self.config,
-            ctx_BSH,
-            ctx_pos_BS,
-            block_emb_BNGH,
-            block_pos_BNG,
-            masks,
-        )
+        return decode_blocks(self, ctx_BSH, ctx_pos_BS, block_emb_BNGH, block_pos_BNG, masks)
 
     def apply_heads(
         self, h_BNGH: torch.Tensor, base_logits_BNGV: torch.Tensor, prev_BNG: torch.Tensor

@@ -174,26 +174,33 @@ def build_visibility_mask(
     return torch.cat((ctx_BQS, blk_BQQ), dim=-1)
 
 
+class Decoder(Protocol):
+    """What `decode_blocks` reads from a drafter network (SGLang's weight names)."""
+
+    config: DecoderConfig
+    layers: nn.ModuleList
+    norm: RMSNorm
+
+
 def decode_blocks(
-    layers: nn.ModuleList,
-    norm: RMSNorm,
-    cfg: DecoderConfig,
+    drafter: Decoder,
     ctx_BSH: torch.Tensor,
     ctx_pos_BS: torch.Tensor,
     block_emb_BNGH: torch.Tensor,
     block_pos_BNG: torch.Tensor,
     masks: dict[str, torch.Tensor],
 ) -> torch.Tensor:
-    """The decoder pass of a drafter: final-normed hidden states `[B, N, G, H]` of every
-    block row.
+    """The decoder pass of a drafter (its `layers`, then its final `norm`): final-normed
+    hidden states `[B, N, G, H]` of every block row.
 
     block_emb: frozen target embeddings of the block tokens; keys are the S context
     positions then the N*G block positions. Layer i attends with
-    `masks[cfg.layer_types[i]]` (bool `[B, Q, K]`, True = visible). A query with no visible
-    key gets attention output 0.
+    `masks[drafter.config.layer_types[i]]` (bool `[B, Q, K]`, True = visible). A query with
+    no visible key gets attention output 0.
     """
     B, N, G, H = block_emb_BNGH.shape
     S, Q = ctx_BSH.shape[1], N * G
+    cfg, norm = drafter.config, drafter.norm
     dtype = norm.weight.dtype
     rope_ctx = rope_tables(ctx_pos_BS, cfg.head_dim, cfg.rope_theta, dtype)
     rope_blk = rope_tables(block_pos_BNG.reshape(B, Q), cfg.head_dim, cfg.rope_theta, dtype)
@@ -211,7 +218,7 @@ def decode_blocks(
         args[kind] = (rope_ctx, rope_blk, visible_BQK[:, None], empty_BQ[:, None, :, None])
     ctx_BSH = ctx_BSH.to(dtype)
     x_BQH = block_emb_BNGH.reshape(B, Q, H).to(dtype)
-    for layer, kind in zip(layers, cfg.layer_types, strict=True):
+    for layer, kind in zip(drafter.layers, cfg.layer_types, strict=True):
         x_BQH = layer(x_BQH, ctx_BSH, *args[kind])
     return norm(x_BQH).view(B, N, G, H)
 

@@ -1,9 +1,11 @@
 """The drafter kinds (`draft.kind`): one `DrafterKind` line each in `KINDS`.
 
 A new kind is a network module beside dspark.py / dflash.py (config dataclass with
-`from_recipe` / `from_dict` / `to_dict`, network with `from_pretrained` / `save_pretrained`
-and `num_drafts`), a loss module beside objective/dspark.py, and one line here. Nothing
-under drafters/ or objective/ imports this module.
+`from_recipe` / `from_dict` / `to_dict`; network with `from_pretrained` /
+`save_pretrained`, `context`, `masks`, `num_drafts`, `apply_heads` and `propose`, which
+is all that objective/loss.py and decoding/spec_decode.py call) and one line here; its
+loss is objective/loss.py's `compute_loss` unless the kind needs its own. Nothing under
+drafters/ or objective/ imports this module.
 """
 
 from __future__ import annotations
@@ -20,8 +22,7 @@ from specforge_dspark.drafters.dflash import ARCHITECTURE as DFLASH_ARCH
 from specforge_dspark.drafters.dflash import DFlashConfig, DFlashDraft
 from specforge_dspark.drafters.dspark import ARCHITECTURE as DSPARK_ARCH
 from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
-from specforge_dspark.objective.dflash import compute_dflash_loss
-from specforge_dspark.objective.dspark import compute_loss
+from specforge_dspark.objective.loss import compute_loss
 from specforge_dspark.objective.vocab_loss import LossOutput
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ class DrafterKind:
 
 KINDS: dict[str, DrafterKind] = {
     "dspark": DrafterKind(DSparkConfig, DSparkDraft, compute_loss, DSPARK_ARCH),
-    "dflash": DrafterKind(DFlashConfig, DFlashDraft, compute_dflash_loss, DFLASH_ARCH),
+    "dflash": DrafterKind(DFlashConfig, DFlashDraft, compute_loss, DFLASH_ARCH),
 }
 DEFAULT_KIND = "dspark"
 """The kind of an exported directory whose `architectures` names no registered kind."""

@@ -1,0 +1,177 @@
+"""The training objective of one micro-step, for every drafter kind: anchors, blocks,
+the drafter's block forward, then the one chunked vocab loss of `vocab_loss.py`
+(0.1 CE + 0.9 L1 + 1.0 BCE; DSPARK_SPEC.md section 3 is the contract). `compute_loss` is
+the entry point; `vocab_loss.py`'s docstring covers the vocabulary, the normalisation
+over data-parallel ranks, the metrics and the memory plan.
+
+A drafter kind enters only through its network: `num_drafts` (how many of its R block
+rows draft) and `masks` (its attention masks for a set of blocks).
+- DSpark (`sample_from_anchor`): the block anchored at a is [x_a, MASK * (G-1)] at
+  positions a .. a+G-1 over the context strictly before a; slot k (row k) predicts token
+  a+k+1; its teacher is the target's LM head on last_hidden[a+k]
+  (`FrozenHead.teacher_logits`: float32 output and softcap, as the target serves them);
+  its Markov "previous" token is x[a+k] (teacher forced); the confidence head learns
+  each slot's acceptance (BCE against the detached alpha). G drafted slots.
+- DFlash (SGLang DFLASH): the same block; row i (i = 1 .. G-1) drafts x[a+i]. Written as
+  drafted slot k = i - 1 that is label x[a+k+1], teacher last_hidden[a+k]: the first G-1
+  slots of a DSpark block at the same anchor, only fed by row k+1. No Markov or confidence
+  head (no BCE). G-1 drafted slots; `tau` is the teacher-forced accept length.
+
+Shape legend
+  B  sequences in the micro-batch        S  sequence length
+  N  anchor blocks per sequence          G  drafted slots per block (`num_drafts`)
+  R  block rows (block_size)             X  blocks of the micro-batch (B * N)
+  H  hidden size                         D  aux feature width (m * H)
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from specforge_dspark.frozen_head import FrozenHead
+from specforge_dspark.objective.blocks import (
+    block_inputs,
+    build_blocks,
+    sample_anchors,
+    used_columns,
+)
+from specforge_dspark.objective.vocab_loss import (
+    BlockDrafter,
+    FusedVocabLoss,
+    LossOutput,
+    VocabPlan,
+    pooled_metrics,
+)
+from specforge_dspark.recipe import ObjectiveRecipe
+
+log = logging.getLogger(__name__)
+
+
+def compute_loss(
+    draft: BlockDrafter,
+    head: FrozenHead,
+    input_ids_BS: Tensor,
+    loss_mask_BS: Tensor,
+    aux_hidden_BSD: Tensor,
+    last_hidden_BSH: Tensor,
+    obj: ObjectiveRecipe,
+    generator: torch.Generator | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> LossOutput:
+    """Sample `obj.num_anchors` anchors per sequence (`generator`: a CPU generator), then
+    `compute_loss_at`."""
+    anchors_BN, block_valid_BN = sample_anchors(loss_mask_BS, obj.num_anchors, generator)
+    return compute_loss_at(
+        draft,
+        head,
+        input_ids_BS,
+        loss_mask_BS,
+        aux_hidden_BSD,
+        last_hidden_BSH,
+        anchors_BN,
+        block_valid_BN,
+        obj,
+        group,
+    )
+
+
+def compute_loss_at(
+    draft: BlockDrafter,
+    head: FrozenHead,
+    input_ids_BS: Tensor,
+    loss_mask_BS: Tensor,
+    aux_hidden_BSD: Tensor,
+    last_hidden_BSH: Tensor,
+    anchors_BN: Tensor,
+    block_valid_BN: Tensor,
+    obj: ObjectiveRecipe,
+    group: dist.ProcessGroup | None = None,
+) -> LossOutput:
+    """Loss and metrics of one micro-step at the given anchors.
+
+    input_ids_BS, loss_mask_BS: tokens and supervision mask (right padding needs no extra
+    mask: context keys are strictly before an anchor, which is a supervised token).
+    aux_hidden_BSD: the target's aux hidden states; last_hidden_BSH: its post-final-norm
+    hidden states (the LM head input). `head` is the frozen `FrozenHead`. The block rows
+    [x_a, MASK * (R-1)] at positions a .. a+R-1 are decoded with `draft.masks(...)` as
+    the attention masks; drafted slot k (k < G) is block row R - G + k, supervised as
+    `build_blocks` with G slots says (label x[a+k+1], teacher last_hidden[a+k]).
+    group: the data-parallel group; None = the default group when torch.distributed is
+    initialised, else no pooling. Every rank must call this once per micro-step.
+    """
+    cfg = draft.config
+    R, G = cfg.block_size, draft.num_drafts
+    B, S = input_ids_BS.shape
+    if head.vocab_rows != cfg.vocab_size:
+        raise ValueError(
+            f"draft.vocab_size={cfg.vocab_size} but the target's LM head has "
+            f"{head.vocab_rows} rows: the draft's logits must cover every row it serves"
+        )
+    pooled = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size(group) if pooled else 1
+    skipped = int((~block_valid_BN.any(dim=1)).sum())
+    if skipped:
+        log.warning("%d of %d sequence(s) have no eligible anchor; skipped", skipped, B)
+
+    N = used_columns(block_valid_BN)
+    anchors_BN, block_valid_BN = anchors_BN[:, :N], block_valid_BN[:, :N]
+    bl = build_blocks(
+        input_ids_BS, loss_mask_BS, anchors_BN, block_valid_BN, G, cfg.mask_token_id, obj.gamma
+    )
+    ids_BNR, pos_BNR = block_inputs(input_ids_BS, anchors_BN, R, cfg.mask_token_id)
+    X = B * N
+    chunk = X if obj.chunk_size <= 0 else min(obj.chunk_size, X)  # blocks per vocab chunk
+
+    weight_sum = bl.weight_BNG.sum()
+    if pooled:
+        dist.all_reduce(weight_sum, group=group)
+    coef_BNG = bl.weight_BNG * (world / weight_sum.clamp_min(1e-12))
+
+    # Decoder: context features once, then the blocks of about `chunk` blocks at a time,
+    # checkpointed when there is more than one chunk.
+    ctx_BSH = draft.context(aux_hidden_BSD)
+    ctx_pos_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
+    ctx_valid_BS = torch.ones_like(loss_mask_BS, dtype=torch.bool)
+    with torch.no_grad():
+        emb_BNRH = head.embed(ids_BNR).to(ctx_BSH.dtype)
+
+    def decode(ctx: Tensor, lo: int, hi: int) -> Tensor:
+        mask = draft.masks(anchors_BN[:, lo:hi], block_valid_BN[:, lo:hi], ctx_valid_BS)
+        h_BnRH = draft(ctx, ctx_pos_BS, emb_BNRH[:, lo:hi], pos_BNR[:, lo:hi], mask)
+        return h_BnRH[:, :, R - G :]  # the drafting rows
+
+    need_grads = torch.is_grad_enabled() and ctx_BSH.requires_grad
+    cols = max(chunk // B, 1)
+    spans = [(lo, min(lo + cols, N)) for lo in range(0, N, cols)]
+    if len(spans) > 1 and need_grads:
+        h_BNGH = torch.cat(
+            [checkpoint(decode, ctx_BSH, lo, hi, use_reentrant=False) for lo, hi in spans], 1
+        )
+    else:
+        h_BNGH = torch.cat([decode(ctx_BSH, lo, hi) for lo, hi in spans], 1)
+
+    with torch.no_grad():
+        idx_BX = bl.teacher_idx_BNG.reshape(B, -1)
+        H = last_hidden_BSH.shape[-1]
+        teacher_XGH = last_hidden_BSH.gather(1, idx_BX[..., None].expand(-1, -1, H))
+    plan = VocabPlan(
+        draft=draft,
+        head=head,
+        prev_XG=bl.prev_BNG.reshape(X, G),
+        labels_XG=bl.labels_BNG.reshape(X, G),
+        teacher_h_XGH=teacher_XGH.view(X, G, H),
+        coef_XG=coef_BNG.reshape(X, G),
+        obj=obj,
+        chunk=chunk,
+        need_grads=need_grads,
+    )
+    params = [p for p in draft.parameters() if p.requires_grad] if need_grads else []
+    loss, stats_6XG = FusedVocabLoss.apply(plan, h_BNGH.reshape(X, G, -1), *params)
+    stats_6BNG = stats_6XG.view(6, B, N, G)
+    metrics = pooled_metrics(stats_6BNG, bl, obj, weight_sum, skipped, pooled, group)
+    return LossOutput(loss=loss, metrics=metrics)
