@@ -37,6 +37,8 @@ class SGLangServer:
     host: str = "127.0.0.1"
     port: int = 30000
     startup_timeout_s: float = 1800.0
+    """Longest wait for the server to answer: at start-up, after a restart, and for an
+    attached server (url) to come back after a failure before the run stops."""
     server_args: dict[str, Any] = field(default_factory=dict)
     """Extra `sglang.launch_server` arguments by ServerArgs field name (tp_size, ...)."""
 
@@ -56,11 +58,11 @@ class TargetRecipe:
     batch_size: int = 1
     """Sequences per target request."""
     timeout_s: float = 300.0
-    """A request not answered within this time counts as a hung worker (no hang)."""
+    """A request not answered within this time counts as a hung worker or server."""
     max_restarts: int = 3
-    """A dead or hung worker (hf backend) is restarted and its in-flight requests re-sent,
-    at most this many times in a row (a request answered in between resets the count);
-    past that the run fails naming the worker. 0 = fail at once."""
+    """A dead or hung hf worker or SGLang server (started by the run) is restarted and
+    its in-flight requests re-sent, at most this many times in a row (a request answered
+    in between resets the count); past that the run fails naming it. 0 = fail at once."""
     restart_backoff_s: float = 1.0
     """Wait before the k-th restart in a row: restart_backoff_s * 2**(k-1) seconds."""
     offline_dir: str = ""
@@ -198,6 +200,12 @@ class TrainRecipe:
     """An optimizer step whose loss or gradient is non-finite (on any rank) is skipped: no
     weight, optimizer or LR-scheduler change. This many skipped steps in a row stop the
     run, saving the last good state."""
+    preflight_samples: int = 4
+    """Before its first step every rank checks its engine's features on this many data
+    rows (greedy argmax and log-prob, batch and split invariance, width, dtype, tap, and
+    per-layer difference to an in-process hf reference: specforge_dspark/preflight.py,
+    also `python -m specforge_dspark.preflight`); a failed check stops the run naming
+    it. 0 = off."""
     served_eval: ServedEvalRecipe = field(default_factory=lambda: ServedEvalRecipe())
     """Real speculative decoding with the hf target every eval_interval steps and at the
     end (eval/accept_length); see specforge_dspark/training/served_eval.py."""
@@ -244,7 +252,7 @@ class ExportRecipe:
     head, for vLLM builds that cannot serve a full padded-vocab draft as the identity."""
     calibrate_prompts: int = 0
     """> 0: after the final export, fit per-position confidence temperatures (sequential
-    temperature scaling, evaluation/calibrate.py) by speculative decoding on this many
+    temperature scaling, decoding/calibration.py) by speculative decoding on this many
     held-out prompts per workload and write EXPORT/sglang/sts_calibration.json, which
     SGLang loads with --speculative-dspark-confidence-sts-path (draft.kind dspark)."""
     calibrate_workloads: list[str] = field(default_factory=lambda: ["gsm8k", "mt_bench"])
@@ -417,6 +425,7 @@ def validate(r: Recipe) -> list[str]:
     need(t.grad_accum >= 1, "train.grad_accum must be >= 1")
     need(t.log_interval >= 1, "train.log_interval must be >= 1")
     need(t.eval_interval >= 0, "train.eval_interval must be >= 0")
+    need(t.preflight_samples >= 0, "train.preflight_samples must be >= 0 (0 = off)")
     need(r.export.calibrate_prompts >= 0, "export.calibrate_prompts must be >= 0")
     need(
         r.export.calibrate_prompts == 0

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from specforge_dspark.engines.features import TargetGone
 from specforge_dspark.engines.sglang import launch_args, request_body
 from specforge_dspark.engines.sglang_plugin import append_prefill_hidden_states
 from specforge_dspark.recipe import load_recipe, recipe_from_dict
@@ -39,7 +41,7 @@ class Mode:
 
 
 class FakeServer:
-    """behaviour: ok | stall | http500 | noplugin | chunked | gap"""
+    """behaviour: ok | stall | down (stalls, health 503) | http500 | noplugin | chunked | gap"""
 
     def __init__(self):
         self.behaviour = "ok"
@@ -60,12 +62,13 @@ class FakeServer:
                 self.wfile.write(body)
 
             def do_GET(self):
-                self._reply(200 if self.path == "/health_generate" else 404)
+                healthy = self.path == "/health_generate" and fake.behaviour != "down"
+                self._reply(200 if healthy else 503 if fake.behaviour == "down" else 404)
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 fake.bodies.append(body)
-                if fake.behaviour == "stall":
+                if fake.behaviour in ("stall", "down"):
                     fake.release.wait(30)
                 if fake.behaviour == "http500":
                     return self._reply(500, {"error": {"message": "boom"}})
@@ -118,6 +121,10 @@ class FakeServer:
                 store=not middle,
             )
         assert offset == out.hidden_states.shape[0]
+
+    def recover(self):
+        self.behaviour = "ok"
+        self.release.set()
 
     def close(self):
         self.release.set()
@@ -175,11 +182,39 @@ def test_features_arrive_through_shared_memory(server, tiny_target_dir, behaviou
 
 
 def test_stalled_server_hits_the_request_timeout(server, tiny_target_dir):
-    recipe = sglang_recipe(tiny_target_dir, server.url, timeout_s=1.0)
+    recipe = sglang_recipe(tiny_target_dir, server.url, timeout_s=1.0, max_restarts=0)
     with FeatureStream(recipe) as stream:
         server.behaviour = "stall"
         with pytest.raises(TimeoutError, match=rf"sglang server {server.url} did not answer"):
             list(stream.iterate([[S(1, 5)]]))
+
+
+def test_attached_server_that_answers_again_gets_the_requests_again(server, tiny_target_dir):
+    recipe = sglang_recipe(tiny_target_dir, server.url, timeout_s=1.0, restart_backoff_s=0.5)
+    batches = [[S(1, 5)], [S(2, 7)], [S(3, 4)]]
+    with FeatureStream(recipe) as stream:
+        server.behaviour = "stall"  # released 1.2 s later: after the timeout, before the probe
+        threading.Timer(1.2, server.recover).start()
+        got = [(f.sample_ids, f.last_hidden.clone()) for f in stream.iterate(batches)]
+        restarts = stream.restarts
+    assert [ids for ids, _ in got] == [[1], [2], [3]]
+    for (_, last), [s] in zip(got, batches, strict=True):
+        assert torch.equal(last[0, : len(s.input_ids)], fake_features(s.input_ids)[1].float())
+    assert len(restarts) == 1 and "did not answer batch 0" in restarts[0]["error"]
+
+
+def test_attached_server_that_stays_down_stops_the_run_naming_it(server, tiny_target_dir):
+    recipe = sglang_recipe(tiny_target_dir, server.url, timeout_s=1.0, restart_backoff_s=0.1)
+    recipe.target.sglang.startup_timeout_s = 1.0
+    with FeatureStream(recipe) as stream:
+        server.behaviour = "down"
+        t0 = time.monotonic()
+        with pytest.raises(TargetGone) as e:
+            list(stream.iterate([[S(1, 5)]]))
+        took = time.monotonic() - t0
+    assert str(e.value).startswith(f"sglang server {server.url} did not answer batch 0")
+    assert "target.sglang.startup_timeout_s=1s" in str(e.value)
+    assert took < 6, f"waited {took:.1f}s: one startup_timeout_s, not one per restart"
 
 
 @pytest.mark.parametrize(

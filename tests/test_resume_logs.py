@@ -5,7 +5,8 @@ A stop between two logged steps used to drop the micro-steps before the stop fro
 mean. Here a run logging every 3 steps is stopped at step 4 (saved there, one micro-step
 into the window that step 6 logs) and resumed; every step it logs must equal the mean,
 over the same micro-steps, of the shared uninterrupted reference, which logs every step
-(same training math: log_interval changes only what is written).
+(same training math: log_interval changes only what is written). The first run also
+runs the feature preflight (preflight.py) before training, which must change nothing.
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ def test_logged_metrics_of_a_resumed_run_equal_the_uninterrupted_run(
     ref = ft.metrics(ft.reference(tmp_path_factory.getbasetemp()))
     out = tmp_path / "stopped"
     every = "train.log_interval=3"
-    first = ft.train(out, "--resume", "none", "--stop-at-step", "4", every)
+    # the feature preflight runs first (as production recipes do) and must change nothing
+    checked = "train.preflight_samples=2"
+    first = ft.train(out, "--resume", "none", "--stop-at-step", "4", every, checked)
     assert first.returncode == 0, first.stderr[-3000:]
+    assert "preflight: hf engine" in first.stdout + first.stderr
     assert sorted(ft.metrics(out)) == [3], "only step 3 is logged before the stop at 4"
     again = ft.train(out, "--resume", "auto", every)
     assert again.returncode == 0, again.stderr[-3000:]

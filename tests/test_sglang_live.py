@@ -2,8 +2,10 @@
 
 Features from the live server equal the hf backend's; a prefill that SGLang splits into
 chunks still arrives whole; 30 training steps give the same losses on either backend;
-a server killed mid-run fails the job within 30 s naming the server, and `--resume
-auto` then finishes with the losses and weights of an uninterrupted run.
+a server killed mid-run with target.max_restarts=0 fails the job within 30 s naming the
+server, and `--resume auto` then finishes with the losses and weights of an uninterrupted
+run; with restarts, a server SIGKILLed and later SIGSTOPped mid-run is brought back and
+the run trains the same samples with the same losses.
 """
 
 from __future__ import annotations
@@ -108,8 +110,8 @@ def _train(out: Path, backend: str, *extra: str, wait: bool = True):
         "objective.chunk_size=8", "tracking.enabled=false", "export.formats=[sglang]",
         f"target.backend={backend}", *extra,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECFORGE_TRAINED_IDS": str(out / "ids")}
+    (out / "ids").mkdir(parents=True, exist_ok=True)
     log = open(out / "job.log", "w")  # the child keeps its own descriptor
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     log.close()
@@ -151,7 +153,10 @@ def test_thirty_steps_on_the_live_server_match_the_hf_backend(runs):
 @pytest.mark.slow
 def test_killed_server_fails_fast_and_the_run_resumes_exactly(runs, sglang_server):
     out, port = runs / "killed", free_port()
-    job = _train(out, "sglang", "--resume", "none", f"target.sglang.port={port}", wait=False)
+    job = _train(
+        out, "sglang", "--resume", "none", f"target.sglang.port={port}", "target.max_restarts=0",
+        wait=False,
+    )  # fmt: skip
     deadline = time.monotonic() + 400  # the trainer starts its own server first
     while not (out / "metrics.jsonl").is_file() or max(_losses(out), default=0) < 12:
         assert job.poll() is None, (out / "job.log").read_text()[-3000:]
@@ -179,3 +184,66 @@ def test_killed_server_fails_fast_and_the_run_resumes_exactly(runs, sglang_serve
         assert got[step] == pytest.approx(want[step], rel=1e-5), f"step {step}"
     a, b = _weights(runs / "sglang"), _weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _ids(out: Path, rank: int) -> list[list[int]]:
+    lines = (out / "ids" / f"rank{rank}.jsonl").read_text().splitlines()
+    return [r["sample_ids"] for r in map(json.loads, lines)]
+
+
+def _reach(out: Path, job: subprocess.Popen, step: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not (out / "metrics.jsonl").is_file() or max(_losses(out), default=0) < step:
+        assert job.poll() is None, (out / "job.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, f"the run did not reach step {step}"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_killed_then_hung_server_is_restarted_and_the_run_is_unchanged(runs):
+    out, port = runs / "restarted", free_port()
+    url = f"http://127.0.0.1:{port}"
+    job = _train(
+        out, "sglang", "--resume", "none", f"target.sglang.port={port}", "target.timeout_s=20",
+        "target.restart_backoff_s=0.2", wait=False,
+    )  # fmt: skip
+    pid_file = out / "sglang_server_rank0.pid"  # the server rank 0 started (its group leader)
+    killed = stopped = 0
+    try:
+        _reach(out, job, 5)
+        killed = int(pid_file.read_text())
+        os.killpg(killed, signal.SIGKILL)  # the server and its scheduler, detokenizer
+        t0 = time.monotonic()
+        _reach(out, job, 15)
+        stopped = int(pid_file.read_text())
+        assert stopped != killed, "the killed server was not replaced"
+        os.killpg(stopped, signal.SIGSTOP)  # a hang: alive, silent
+        assert job.wait(timeout=300) == 0, (out / "job.log").read_text()[-3000:]
+        took = time.monotonic() - t0
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+        last = int(pid_file.read_text()) if pid_file.is_file() else 0
+        for pid in {stopped, last} - {0}:  # nothing left behind when the test fails
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    text = (out / "job.log").read_text()
+    assert int(pid_file.read_text()) not in (killed, stopped), "the hung server was not replaced"
+    assert f"[rank 0] sglang server {url} (pid {killed}) died (exit code -9); restarting" in text
+    assert f"sglang server {url} (pid {stopped}) stopped answering" in text, text[-3000:]
+    pattern = rf"sglang server {url} \(pid \d+\) restarted in ([\d.]+)s"
+    restarts = [float(t) for t in re.findall(pattern, text)]
+    assert len(restarts) == 2, text[-3000:]
+    print(f"server restarts took {restarts} s; the faulted run took {took:.0f}s after the kill")
+    want, got = _losses(runs / "sglang"), _losses(out)
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), f"step {step}"
+    for rank in (0, 1):
+        ids = _ids(out, rank)
+        assert ids == _ids(runs / "sglang", rank)
+        flat = [i for batch in ids for i in batch]
+        assert len(flat) == len(set(flat)) == STEPS  # each sample once

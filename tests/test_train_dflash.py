@@ -1,18 +1,21 @@
 """End to end on CPU for the two new tiny recipes (torchrun, 2 gloo ranks, live hf target):
 DFlash block 16 trains on on-policy data (the target's own answers), exports the SGLang
-DFLASH layout, and beats its untrained drafter by real (lossless) speculative decoding on
-the prompts whose answers it trained on; the Inkling-Small DSpark variant (block 16)
-trains and its speculators export loads in speculators 0.9.0.
+DFLASH layout, and beats its untrained drafter by real (lossless) speculative decoding;
+the Inkling-Small DSpark variant (block 16) trains and its speculators export loads in
+speculators 0.9.0.
 
-Why those prompts: what this test guards is the path train -> export -> decode (a slot,
-tap or layout mismatch serves ~1.0 whatever the training). On four held-out GSM8K prompts
-a 60-step drafter sat at 1.08-1.17 against 1.00-1.01 untrained, and a margin of 0.1 failed
-on a target build from another machine (issue 24). On its own training prompts the
-signal is the drafter having learnt the target's answers, far above any build's noise."""
+"Beats" is a test with a stated confidence, not a fixed margin (issue 24): on this tiny
+teacher a DFlash drafter gains little (accept length 1.08-1.17 after 60-100 steps against
+1.00-1.01 untrained, measured on three builds of the target; a margin of 0.1 failed on two
+of them), but consistently. The verify steps that accept at least one draft are counted
+for both drafters on the same 12 held-out prompts, and a one-sided Fisher exact test must
+reject "trained accepts no more often than untrained" at p < 0.001. A slot, tap or
+layout mismatch between training and serving accepts ~nothing and fails it."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -59,13 +62,13 @@ def test_tiny_dflash_trains_exports_and_beats_its_untrained_drafter(tmp_path, ti
     stays at the unigram mode for hundreds of steps, so it trains on-policy here, on the
     target's own answers, as DFlash drafters are trained; the served text is that too."""
     from evaluation.decode import decode_prompts
-    from specforge_dspark.decoding.prompts import render
+    from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
     from specforge_dspark.drafters.registry import new_draft
     from specforge_dspark.recipe import load_recipe
     from tests.sglang_shim import import_sglang
 
     data = _regenerate(tmp_path / "regen.jsonl", 48, 64)
-    steps = 100
+    steps = 60
     _train(
         "recipes/tiny_cpu_dflash.yaml", tmp_path / "run", steps, 29741, "optim.lr=0.005",
         f"data.train_files=[{data}]", "data.format=messages", "data.eval_files=[]",
@@ -83,19 +86,38 @@ def test_tiny_dflash_trains_exports_and_beats_its_untrained_drafter(tmp_path, ti
 
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(tiny_target_dir)
-    rows = [json.loads(line) for line in data.read_text().splitlines()][:6]
-    prompts = [render(tok, [r["messages"][0]]) for r in rows]  # the trained user turns
-    assert all(r["messages"][0]["role"] == "user" for r in rows)
+    convs = load_conversations(parse_workload("gsm8k"), 12)
+    prompts = [render(tok, [{"role": "user", "content": c.turns[0]}]) for c in convs]
     torch.manual_seed(0)
     untrained = new_draft(load_recipe(REPO / "recipes/tiny_cpu_dflash.yaml").draft)
 
-    def accept_length(rows):  # lossless is checked prompt by prompt inside decode_prompts
-        return sum(r["committed"] for r in rows) / sum(r["steps"] for r in rows)
+    def counts(rows):  # lossless is checked prompt by prompt inside decode_prompts
+        steps = sum(r["steps"] for r in rows)
+        hits = steps - sum(r["accepted_hist"][0] for r in rows)  # steps accepting >= 1 draft
+        return hits, steps, sum(r["committed"] for r in rows) / steps
 
-    before = accept_length(decode_prompts(str(tiny_target_dir), untrained, prompts, 32))
-    after = accept_length(decode_prompts(str(tiny_target_dir), export, prompts, 32))
-    print(f"accept length untrained {before:.3f} trained {after:.3f}")
-    assert before < 1.1 and after >= before + 0.3, (before, after)
+    hits0, steps0, before = counts(decode_prompts(str(tiny_target_dir), untrained, prompts, 32))
+    hits1, steps1, after = counts(decode_prompts(str(tiny_target_dir), export, prompts, 32))
+    p = fisher_one_sided(hits1, steps1, hits0, steps0)
+    print(f"accept length untrained {before:.3f} trained {after:.3f}; steps accepting a "
+          f"draft {hits0}/{steps0} vs {hits1}/{steps1}, one-sided Fisher p = {p:.2e}")  # fmt: skip
+    assert after > before and p < 1e-3, (before, after, hits0, steps0, hits1, steps1, p)
+
+
+def fisher_one_sided(hits_a: int, n_a: int, hits_b: int, n_b: int) -> float:
+    """P(X >= hits_a) for X hypergeometric: a's share of all hits when a and b accept
+    equally often (one-sided Fisher exact test of a > b)."""
+    total, hits = n_a + n_b, hits_a + hits_b
+    denom = math.comb(total, hits)
+    top = min(hits, n_a)
+    return sum(math.comb(n_a, k) * math.comb(n_b, hits - k) for k in range(hits_a, top + 1)) / denom
+
+
+def test_fisher_one_sided_against_known_values():
+    assert fisher_one_sided(5, 5, 0, 5) == pytest.approx(1 / 252)  # all hits in a: 1/C(10,5)
+    assert fisher_one_sided(0, 5, 5, 5) == pytest.approx(1.0)
+    # sum over k >= 3 of C(10, k) C(10, 6 - k), over C(20, 6)
+    assert fisher_one_sided(3, 10, 3, 10) == pytest.approx(26580 / 38760)
 
 
 def test_tiny_inkling_small_trains_and_its_speculators_export_loads(tmp_path, tiny_target_dir):

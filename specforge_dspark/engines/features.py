@@ -48,6 +48,11 @@ class TargetLost(RuntimeError):
     `restart()` can be brought back (FeatureStream does, within target.max_restarts)."""
 
 
+class TargetGone(TargetLost):
+    """The target is lost and will not come back (an attached SGLang server that did not
+    answer again in time): `restart()` raises it, FeatureStream does not try again."""
+
+
 @dataclass
 class Sample:
     """One tokenised training sequence (the data pipeline's objects duck-type this)."""

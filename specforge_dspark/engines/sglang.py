@@ -9,10 +9,18 @@ request (max_new_tokens 1, return_hidden_states) whose rids name a shared-memory
 and a ticket per sequence; our SGLang plugin (sglang_plugin.py, loaded in the server
 through its entry point) writes the aux and last hidden states there instead of
 returning JSON lists. The reply only says "done"; the tickets say what was written.
+
+A dead or hung server comes back (`restart()`, called by the stream, which then re-sends
+what was in flight). A rank stuck on a hung server kills it (its process group, pid from
+`<output_dir>/sglang_server_rank<r>.pid`); the rank that started it starts it again on
+the same port (sglang_keeper.py); every rank waits until it answers
+(`target.sglang.startup_timeout_s`). Attached servers (`target.sglang.url`) are not ours:
+the trainer waits for them to answer again, or stops with the error that ended the wait.
 """
 
 from __future__ import annotations
 
+import http.client
 import importlib.metadata
 import json
 import os
@@ -34,8 +42,17 @@ from specforge_dspark.engines.features import (
     PaddedBatch,
     TargetDims,
     TargetFeatures,
+    TargetGone,
+    TargetLost,
     check_layer_ids,
     read_target_dims,
+)
+from specforge_dspark.engines.sglang_keeper import (
+    ServerKeeper,
+    group_running,
+    kill_group,
+    read_pid,
+    say,
 )
 from specforge_dspark.engines.sglang_plugin import PLUGIN_NAME, make_rid
 from specforge_dspark.engines.shm import (
@@ -195,17 +212,19 @@ class ServerProcess:
         return "\n".join(text[-lines:])
 
     def stop(self) -> None:
+        """SIGTERM, then SIGKILL, the whole process group; returns once it is gone."""
         for sig, wait in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
             if self.proc.poll() is not None:
-                return
+                break
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
-                return
+                break
             try:
                 self.proc.wait(wait)
             except subprocess.TimeoutExpired:
                 pass
+        kill_group(self.proc.pid)  # what the launcher left: scheduler, detokenizer
 
 
 class SGLangEngine:
@@ -223,16 +242,39 @@ class SGLangEngine:
         )
         self.futures: dict[int, Future] = {}
         self.slot_busy: list[Future | None] = [None] * num_slots
-        self.server: ServerProcess | None = None
-        if t.sglang.url is None and int(os.environ.get("LOCAL_RANK", rank)) == 0:
-            log = Path(recipe.train.output_dir) / f"sglang_server_rank{rank}.log"
-            self.server = ServerProcess(launch_args(recipe), log, is_cpu_engine(recipe))
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        out = Path(recipe.train.output_dir)
+        self.pid_file = None if t.sglang.url else out / f"sglang_server_rank{rank - local_rank}.pid"
+        self.keeper: ServerKeeper | None = None
+        if self.pid_file is not None and local_rank == 0:
+            args, log = launch_args(recipe), out / f"sglang_server_rank{rank}.log"
+            self.keeper = ServerKeeper(
+                lambda: ServerProcess(args, log, is_cpu_engine(recipe)),
+                self.pid_file,
+                self._healthy,
+                recipe,
+                rank,
+                self.url,
+            )
         self._ready = False
+        self._server_pid: int | None = None  # the server the requests in flight went to
+        self._failure = ""  # the first line of the last failed request's error
+
+    @property
+    def server(self) -> ServerProcess | None:
+        """The server this rank started (None: another rank's, or attached)."""
+        return self.keeper.server if self.keeper else None
 
     @property
     def name(self) -> str:
         pid = f" (pid {self.server.proc.pid})" if self.server else ""
         return f"sglang server {self.url}{pid}"
+
+    def _current_pid(self) -> int | None:
+        """The pid of this node's server now (None: attached, or not known yet)."""
+        if self.server is not None:
+            return self.server.proc.pid
+        return read_pid(self.pid_file) if self.pid_file else None
 
     # ------------------------------------------------------------------ start-up
 
@@ -242,16 +284,22 @@ class SGLangEngine:
         limit = self.recipe.target.sglang.startup_timeout_s
         deadline = time.monotonic() + limit
         while not self._healthy():
-            self._check_server("start-up")
+            if self.keeper is not None and self.keeper.gave_up:
+                raise RuntimeError(self.keeper.gave_up)
+            if self._server_pid is None:  # first start: a server that exits fails the run
+                self._check_server("start-up")
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"{self.name} not healthy within target.sglang.startup_timeout_s={limit:g}s"
                 )
             time.sleep(POLL_S)
         self._ready = True
+        self._server_pid = self._current_pid()
         probe = PaddedBatch([-1], *_probe_tensors())
         self.submit(-1, probe)
         self.result(-1, probe, time.monotonic() + self.timeout_s)
+        if self.keeper is not None:
+            self.keeper.watch()
 
     def _healthy(self) -> bool:
         try:
@@ -263,10 +311,37 @@ class SGLangEngine:
     def _check_server(self, what: str) -> None:
         code = self.server.exit_code() if self.server else None
         if code is not None:
-            raise RuntimeError(
-                f"{self.name} exited with code {code} during {what}; last log lines "
+            raise TargetLost(
+                f"{self.name} died (exit code {code}) during {what}; last log lines "
                 f"({self.server.log_path}):\n{self.server.tail()}"
             )
+
+    def restart(self) -> None:
+        """Bring the server back after a failed request; the caller re-sends what was in
+        flight. A server still running is hung: kill its process group (unless it was
+        replaced meanwhile); the keeper of the starting rank starts it again. Then wait
+        until it answers (target.sglang.startup_timeout_s)."""
+        self._ready = False
+        pid = self._current_pid()
+        if pid is not None and pid == self._server_pid:
+            if group_running(pid):
+                say(
+                    f"[rank {self.rank}] sglang server {self.url} (pid {pid}) stopped answering "
+                    f"(target.timeout_s={self.timeout_s:g}s); killing its process group"
+                )
+            kill_group(pid)
+        failure = self._failure
+        try:
+            self.wait_ready()
+        except (TargetLost, TimeoutError):
+            if self.pid_file is not None:
+                raise  # the starting rank may still bring it back: the stream tries again
+            limit = self.recipe.target.sglang.startup_timeout_s
+            raise TargetGone(
+                f"{failure} (attached server, target.sglang.url: the trainer does not restart "
+                f"it, and it did not answer again within target.sglang.startup_timeout_s="
+                f"{limit:g}s)"
+            ) from None
 
     # ------------------------------------------------------------------ requests
 
@@ -320,27 +395,21 @@ class SGLangEngine:
         except urllib.error.HTTPError as e:
             detail = e.read()[:500].decode(errors="replace")
             fut.set_exception(RuntimeError(f"HTTP {e.code}: {detail}"))
-        except Exception as e:  # connection refused, reset, socket timeout, bad JSON
+        except (OSError, http.client.HTTPException) as e:  # refused, reset, socket timeout
+            fut.set_exception(TargetLost(f"{type(e).__name__}: {e}"))
+        except Exception as e:  # bad JSON
             fut.set_exception(RuntimeError(f"{type(e).__name__}: {e}"))
 
     def result(self, seq: int, batch: PaddedBatch, deadline: float) -> TargetFeatures:
         self.wait_ready()
         what = "the start-up probe" if seq < 0 else f"batch {seq} (sample ids {batch.sample_ids})"
-        fut = self.futures.pop(seq)
-        while True:
-            try:
-                reply = fut.result(timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
-                break
-            except FutureTimeout:
-                self._check_server(f"the wait for {what}")
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(
-                        f"{self.name} did not answer {what} within target.timeout_s="
-                        f"{self.timeout_s:g}s (stalled or overloaded server)"
-                    ) from None
-            except RuntimeError as e:
-                self._check_server(f"the wait for {what}")
-                raise RuntimeError(f"{self.name} failed on {what}: {e}") from None
+        try:
+            reply = self._wait(self.futures.pop(seq), deadline, what)
+        except (TargetLost, TimeoutError) as e:
+            self._failure = str(e).splitlines()[0]
+            raise
+        if self.keeper is not None:
+            self.keeper.answered()
         _check_reply(reply, self.name, what)
         slot = self.slots[seq % len(self.slots)]
         views = slot.prepare(*batch.shape)
@@ -358,9 +427,28 @@ class SGLangEngine:
             views.last_hidden,
         )
 
+    def _wait(self, fut: Future, deadline: float, what: str) -> Any:
+        """The reply to one request; TargetLost when the server is gone, TimeoutError
+        when it does not answer by `deadline`."""
+        while True:
+            try:
+                return fut.result(timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
+            except FutureTimeout:
+                self._check_server(f"the wait for {what}")
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"{self.name} did not answer {what} within target.timeout_s="
+                        f"{self.timeout_s:g}s (stalled or overloaded server)"
+                    ) from None
+            except TargetLost as e:  # no connection: the server is gone or going
+                self._check_server(f"the wait for {what}")
+                raise TargetLost(f"{self.name} failed on {what}: {e}") from None
+            except RuntimeError as e:
+                raise RuntimeError(f"{self.name} failed on {what}: {e}") from None
+
     def close(self) -> None:
-        if self.server is not None:
-            self.server.stop()
+        if self.keeper is not None:
+            self.keeper.stop()
         for slot in self.slots:
             slot.close()
 

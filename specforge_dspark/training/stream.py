@@ -11,8 +11,10 @@ with their sample ids. Memory is bounded: prefetch + 1 shared-memory slots per r
 (in flight + the one the caller holds), reused round-robin, so a yielded batch's tensors
 are valid until the iterator advances. A dead worker (`TargetLost`) or one that leaves a
 request unanswered for `target.timeout_s` (TimeoutError) is restarted, when its engine
-can (`restart()`: the hf backend), after `target.restart_backoff_s * 2**(k-1)` seconds for
-the k-th restart in a row; the requests in flight are then re-sent in their order, so
+can (`restart()`: the hf worker; the sglang server, which the rank that started it starts
+again while the others wait for it, engines/sglang.py), after
+`target.restart_backoff_s * 2**(k-1)` seconds for the k-th restart in a row; the
+requests in flight are then re-sent in their order, so
 the caller sees the same batches in the same order, each once, and a deterministic
 target recomputes the same features. Past `target.max_restarts` restarts in a row (with
 no request answered in between), or for an engine that cannot restart, the error is
@@ -33,7 +35,13 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
-from specforge_dspark.engines.features import PaddedBatch, TargetFeatures, TargetLost, pad_batch
+from specforge_dspark.engines.features import (
+    PaddedBatch,
+    TargetFeatures,
+    TargetGone,
+    TargetLost,
+    pad_batch,
+)
 
 
 class Engine(Protocol):
@@ -156,7 +164,7 @@ class FeatureStream:
         """Restart the engine after `error` and re-send `pending` in order (each keeps its
         sequence number, hence its slot); raise the error once the budget is spent."""
         restart = getattr(self.engine, "restart", None)
-        if restart is None:  # e.g. sglang: the server is not ours to restart
+        if restart is None:  # e.g. offline: nothing to restart
             raise error
         while True:
             if self._in_a_row >= self.max_restarts:
@@ -177,6 +185,8 @@ class FeatureStream:
                 restart()
                 for seq, batch, _ in pending:
                     self.engine.submit(seq, batch)
+            except TargetGone:
+                raise
             except (TargetLost, TimeoutError) as e:
                 error = e
                 continue

@@ -1,0 +1,158 @@
+"""The SGLang server of one node, kept alive by the rank that started it.
+
+`ServerKeeper` starts the server (a `ServerProcess` from engines/sglang.py, given as a
+factory), records its pid in `<output_dir>/sglang_server_rank<r>.pid` so the node's other
+ranks can kill a hung one, and watches it from a thread: a server that exits is started
+again on the same port, at most `target.max_restarts` times in a row (a request answered
+in between resets the count, `answered()`), after `target.restart_backoff_s * 2**(k-1)`
+seconds. The thread, not the training loop, restarts it: a rank blocked in a collective
+(waiting for a peer that waits for features) still brings the server back. The old
+process group is gone before the new server starts, so no old process writes a slot
+after its tickets were re-issued.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+POLL_S = 0.5
+
+
+def kill_group(pgid: int, wait_s: float = 10.0) -> None:
+    """SIGKILL process group `pgid` (a stopped one too) and wait until none of its
+    processes runs (zombies left to their parent do not count)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+        if not group_running(pgid):
+            return
+        time.sleep(0.05)
+
+
+def group_running(pgid: int) -> bool:
+    """Whether a process of group `pgid` is still more than a zombie (Linux /proc)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def read_pid(pid_file: Path) -> int | None:
+    try:
+        return int(pid_file.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+class ServerKeeper:
+    """Starts, watches and restarts one server process (`start()` -> ServerProcess)."""
+
+    def __init__(
+        self,
+        start: Callable[[], Any],
+        pid_file: Path,
+        healthy: Callable[[], bool],
+        recipe,
+        rank: int,
+        url: str,
+    ):
+        t = recipe.target
+        self.max_restarts, self.backoff_s = t.max_restarts, t.restart_backoff_s
+        self.startup_timeout_s = t.sglang.startup_timeout_s
+        self._start, self.pid_file, self._healthy = start, pid_file, healthy
+        self.rank, self.url = rank, url
+        self.gave_up = ""
+        """Why the server is not restarted any more (empty while it is)."""
+        self.in_a_row = 0
+        self._closing = threading.Event()
+        self._lock = threading.Lock()  # watcher vs stop(): one server at a time
+        self._thread: threading.Thread | None = None
+        self.server = self._launch()
+
+    @property
+    def name(self) -> str:
+        return f"sglang server {self.url} (pid {self.server.proc.pid})"
+
+    def _launch(self):
+        server = self._start()
+        tmp = self.pid_file.with_suffix(".tmp")
+        tmp.write_text(str(server.proc.pid))
+        tmp.replace(self.pid_file)
+        return server
+
+    def watch(self) -> None:
+        """Start watching (once the first start succeeded: a server that cannot start at
+        all fails the run at start-up, with its log)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, daemon=True, name="sglang-keeper")
+            self._thread.start()
+
+    def answered(self) -> None:
+        """A request was answered: the next restart is the first in a row again."""
+        self.in_a_row = 0
+
+    def _watch(self) -> None:
+        while not self._closing.wait(POLL_S):
+            code = self.server.exit_code()
+            if code is None:
+                continue
+            if self.in_a_row >= self.max_restarts:
+                self.gave_up = (
+                    f"{self.name} died (exit code {code}); gave up after {self.in_a_row} "
+                    f"restart(s) in a row: target.max_restarts={self.max_restarts}; last log "
+                    f"lines ({self.server.log_path}):\n{self.server.tail()}"
+                )
+                return
+            self.in_a_row += 1
+            backoff = self.backoff_s * 2 ** (self.in_a_row - 1)
+            say(
+                f"[rank {self.rank}] {self.name} died (exit code {code}); restarting it "
+                f"({self.in_a_row} of at most {self.max_restarts}) in {backoff:g}s"
+            )
+            if self._closing.wait(backoff):
+                return
+            t0 = time.monotonic()
+            with self._lock:
+                if self._closing.is_set():
+                    return
+                self.server.stop()  # what is left of the old one goes before the new one
+                self.server = self._launch()
+            self._wait_healthy(t0)
+
+    def _wait_healthy(self, t0: float) -> None:
+        deadline = t0 + self.startup_timeout_s
+        while not self._closing.is_set() and self.server.exit_code() is None:
+            if self._healthy():
+                took = time.monotonic() - t0
+                say(f"[rank {self.rank}] {self.name} restarted in {took:.1f}s")
+                return
+            if time.monotonic() > deadline:
+                self.server.stop()  # the next failure in a row
+                return
+            time.sleep(POLL_S)
+
+    def stop(self) -> None:
+        self._closing.set()
+        with self._lock:
+            self.server.stop()
