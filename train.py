@@ -119,6 +119,7 @@ def build(recipe: Recipe, resume: str | None) -> Run:
     from specforge_dspark.drafters.registry import new_draft
     from specforge_dspark.frozen_head import load_frozen_head
     from specforge_dspark.training import checkpoint
+    from specforge_dspark.training.data_order import restore_cursor, samples_left
     from specforge_dspark.training.distributed import deepspeed_config, init_distributed, lr_lambda
     from specforge_dspark.training.fingerprint import data_fingerprint, features_fingerprint
     from specforge_dspark.training.lifecycle import acquire_run_lock
@@ -127,8 +128,9 @@ def build(recipe: Recipe, resume: str | None) -> Run:
     dirs = resolved_dirs(recipe)
     lock = acquire_run_lock(dirs["output"], rank)  # one job per output_dir
     resume_path = checkpoint.resolve_resume(resume, dirs["checkpoint"])
+    layout = None  # how the saved global batch is laid out on this world size
     if resume_path is not None:  # fail fast, before data and engines are built
-        checkpoint.check_saved(resume_path, recipe, world)
+        layout = checkpoint.check_saved(resume_path, recipe, world)
     if recipe.target.tiny_arch:  # embedded recipes: every rank waits on the build lock
         from specforge_dspark.tiny_target import build as build_tiny_target
 
@@ -150,13 +152,14 @@ def build(recipe: Recipe, resume: str | None) -> Run:
                 f"data.eval_files: {len(eval_set)} prepared rows, fewer than the {world} ranks"
             )
     t = recipe.train
+    grad_accum = layout.grad_accum if layout else t.grad_accum
     micro_per_epoch = len(dataset) // (world * t.micro_batch_size)
-    if micro_per_epoch < t.grad_accum:
+    if micro_per_epoch < grad_accum:
         raise ValueError(
             f"data: {len(dataset)} prepared rows give {micro_per_epoch} micro-batches per rank "
-            f"per epoch, fewer than train.grad_accum={t.grad_accum}; add data or lower it"
+            f"per epoch, fewer than train.grad_accum={grad_accum}; add data or lower it"
         )
-    per_epoch = micro_per_epoch // t.grad_accum
+    per_epoch = micro_per_epoch // grad_accum
     total = t.max_steps if t.max_steps > 0 else per_epoch * t.epochs
 
     head_dtype = torch.bfloat16 if recipe.target.dtype == "bfloat16" else torch.float32
@@ -184,14 +187,20 @@ def build(recipe: Recipe, resume: str | None) -> Run:
         model=draft.to(device),
         optimizer=opt,
         lr_scheduler=sched,
-        config=deepspeed_config(recipe, device),
+        config=deepspeed_config(recipe, device, grad_accum),
     )
     _warn_if_no_skip(engine, recipe, rank)
-    state = checkpoint.TrainState()
+    state = checkpoint.TrainState(epoch_samples=0, grad_accum=grad_accum)
     if resume_path is not None:
         state = checkpoint.load(engine, resume_path, recipe, fingerprint)
+        state.grad_accum = grad_accum
+        restore_cursor(state, len(dataset), layout.saved_world, world, t.micro_batch_size)
+        left = samples_left(state, len(dataset), world, t.micro_batch_size)
+        said = layout.describe(state.epoch, left, len(dataset), t.grad_accum)
         if rank == 0:
             print(f"resumed from {resume_path} at step {state.step}", flush=True)
+        if rank == 0 and said:  # what was re-partitioned, or why grad_accum differs
+            print(said, flush=True)
     return Run(
         recipe,
         rank,
@@ -239,39 +248,7 @@ def _check_head_matches(recipe: Recipe, head) -> None:
 
 
 # --------------------------------------------------------------------------- data order
-
-
-EVAL_ROWS = 32  # teacher-forced eval: the first rows of data.eval_files, split over ranks
-EVAL_ID = 1 << 40  # eval samples travel the same stream, told apart by their ids
-
-
-def batches(run: Run, start_micro: int):
-    """Micro-batches of this rank's shard from global micro step `start_micro` onwards.
-
-    Epoch e uses the permutation seeded by (seed, e); rank r takes every world-th row;
-    the order depends only on the recipe and world size, so a resume continues it exactly.
-    Every train.eval_interval steps the eval rows follow (ids >= EVAL_ID), one per batch;
-    a run resumed at such a step starts with them (the stopped run saved before them).
-    """
-    from specforge_dspark.engines.features import Sample
-
-    t, n = run.recipe.train, len(run.dataset)
-    eval_every = t.eval_interval * t.grad_accum
-    g = start_micro
-    if eval_every and g and g % eval_every == 0:  # resumed where the evals were due
-        for r in _eval_rows(run):
-            yield [_sample(run.eval_set[r], Sample, id_base=EVAL_ID)]
-    while True:
-        epoch, i = divmod(g, run.micro_per_epoch)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(t.seed * 1000 + epoch))
-        shard = perm[run.rank :: run.world]
-        for j in range(i, run.micro_per_epoch):
-            rows = shard[j * t.micro_batch_size : (j + 1) * t.micro_batch_size].tolist()
-            yield [_sample(run.dataset[r], Sample) for r in rows]
-            g += 1
-            if eval_every and g % eval_every == 0:
-                for r in _eval_rows(run):
-                    yield [_sample(run.eval_set[r], Sample, id_base=EVAL_ID)]
+# The order and its cursor: specforge_dspark/training/data_order.py
 
 
 def _record_trained(run: Run, micro_step: int, sample_ids: list[int], trained: bool) -> None:
@@ -282,19 +259,6 @@ def _record_trained(run: Run, micro_step: int, sample_ids: list[int], trained: b
         record = {"micro_step": micro_step + 1, "sample_ids": sample_ids, "trained": trained}
         with open(Path(where) / f"rank{run.rank}.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
-
-
-def _eval_rows(run: Run) -> range:
-    n = min(len(run.eval_set), EVAL_ROWS) // run.world * run.world  # same count on every rank
-    return range(run.rank, n, run.world)
-
-
-def _sample(row: dict, sample_cls, id_base: int = 0):
-    return sample_cls(
-        sample_id=id_base + int(row["sample_id"]),
-        input_ids=torch.tensor(row["input_ids"], dtype=torch.long),
-        loss_mask=torch.tensor(row["loss_mask"], dtype=torch.long),
-    )
 
 
 # --------------------------------------------------------------------------- train
@@ -348,7 +312,9 @@ def eval_step(run: Run, feats, index: int) -> dict:
 def train(run: Run, stop_at_step: int = 0) -> str | None:
     """The loop; returns why it stopped early (a signal, the launcher's death) or None."""
     from specforge_dspark.export.cli import export_checkpoint
+    from specforge_dspark.preflight import preflight_run
     from specforge_dspark.training import checkpoint
+    from specforge_dspark.training.data_order import EVAL_ID, advance, batches, eval_rows
     from specforge_dspark.training.lifecycle import StopRequest, watch_launcher
     from specforge_dspark.training.nonfinite import NonFiniteError, NonFiniteGuard
     from specforge_dspark.training.served_eval import build_served_eval, served_accept_length
@@ -356,6 +322,9 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
     from specforge_dspark.training.tracking import Tracker
 
     r, state, eng = run.recipe, run.state, run.engine
+    n, mb, n_evals = len(run.dataset), r.train.micro_batch_size, 0
+    if r.train.eval_interval:
+        n_evals = len(eval_rows(run.eval_set, run.rank, run.world))
     tracker = Tracker(r, run.rank, run.total_steps, state.step, run.dirs["trackio"])
     tracker.write(
         f"training {run.total_steps} steps on {run.world} rank(s), {len(run.dataset)} rows, "
@@ -373,12 +342,14 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
     served = build_served_eval(r, run.rank, run.world, run.device)  # None unless asked
     served_al: dict[int, float] = {}  # step -> served accept length, for the gap
     with stream:
-        for feats in stream.iterate(batches(run, state.micro_step)):
+        preflight_run(run, stream)  # train.preflight_samples > 0: the engine's features checked
+        data = batches(r, run.dataset, run.eval_set, run.rank, run.world, state)
+        for feats in stream.iterate(data):
             if state.step >= run.total_steps:
                 break
             if feats.sample_ids[0] >= EVAL_ID:
                 evals.append(eval_step(run, feats, len(evals)))
-                if len(evals) == len(_eval_rows(run)):
+                if len(evals) == n_evals:
                     tf = _reduce_metrics(evals)
                     logged = {f"eval/{k}": v for k, v in tf.items()}
                     if state.step in served_al and "tau" in tf:  # teacher-forced minus served
@@ -391,7 +362,7 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
             boundary = eng.is_gradient_accumulation_boundary()
             eng.step()  # at a boundary: the update, or DeepSpeed's skip of a non-finite one
             state.micro_step += 1
-            state.epoch = state.micro_step // run.micro_per_epoch
+            advance(state, n, run.world, mb)  # the data cursor: epoch, epoch_samples
             state.tokens += int(feats.loss_mask.sum())
             if out is not None:
                 window.append(out.log_dict())
@@ -487,8 +458,7 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
 def _reduce_metrics(window: list[dict]) -> dict:
     """Mean over the micro-steps of the logging window (the objective already pooled ranks).
 
-    Per-position entries are NaN in a micro-step with no supervised slot there: ignored.
-    """
+    Per-position entries are NaN in a micro-step with no supervised slot there: ignored."""
     keys = sorted(window[0])
     vals = torch.tensor([[m.get(k, float("nan")) for k in keys] for m in window])
     mean = vals.to(torch.float64).nanmean(0)

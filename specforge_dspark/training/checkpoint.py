@@ -4,8 +4,8 @@ Layout of one checkpoint, `<checkpoint.dir>/step-<N>/`:
     mp_rank_00_model_states.pt, zero_pp_rank_*_optim_states.pt   DeepSpeed (weights, sharded
                                                                  optimizer, lr scheduler)
     rank<r>_state.pt      per rank: data cursor and torch / numpy / python RNG states
-    train_state.json      rank 0: step, micro step, epoch, world size, format version,
-                          the full recipe and its hash, and the run's fingerprint
+    train_state.json      rank 0: step, micro step, epoch, world size, grad_accum, format
+                          version, the full recipe and its hash, and the run's fingerprint
     COMPLETE              written last, after every rank has finished writing
 
 A directory without COMPLETE does not count: `--resume auto` skips it, and a crash in
@@ -17,6 +17,10 @@ The fingerprint (fingerprint.py) pins what the recipe alone does not: `features`
 target's files, quantization, dtype and aux tap convention: what the features ARE,
 whichever backend serves them) and `data` (the content of the prepared training rows). A
 resume that changes either is refused, naming the field.
+
+A checkpoint saved on W ranks resumes on W' others (repartition.py): the ZeRO optimizer
+state is re-partitioned, train.grad_accum becomes the one that keeps the global batch, and
+the data cursor (samples of the epoch trained, data_order.py) continues the same epoch.
 """
 
 from __future__ import annotations
@@ -36,6 +40,11 @@ import torch
 import torch.distributed as dist
 
 from specforge_dspark.recipe import Recipe
+from specforge_dspark.training.repartition import (
+    ResumeLayout,
+    load_zero_partitions,
+    resume_layout,
+)
 
 FORMAT_VERSION = 2  # 2: train_state.json holds the fingerprint
 MARKER = "COMPLETE"
@@ -48,6 +57,7 @@ MAY_CHANGE_ON_RESUME = (
     "train.eval_interval",
     "train.output_dir",
     "train.max_nonfinite_steps",
+    "train.preflight_samples",
     "checkpoint.",
     "tracking.",
     "export.",
@@ -72,11 +82,17 @@ class ResumeError(RuntimeError):
 
 @dataclass
 class TrainState:
-    """Where training stands; `micro_step` is the global count of micro-batches consumed."""
+    """Where training stands; `micro_step` is the count of micro-batches each rank consumed."""
 
     step: int = 0
     micro_step: int = 0
     epoch: int = 0
+    epoch_samples: int = -1
+    """Samples of this epoch's order trained, all ranks together (data_order.py); -1 in
+    checkpoints older than it (derived from micro_step: `data_order.restore_cursor`)."""
+    grad_accum: int = 0
+    """The train.grad_accum the run steps with: the recipe's, unless a resume on another
+    world size kept the global batch with another (repartition.py); 0 in older checkpoints."""
     tokens: int = 0
     nonfinite_steps: int = 0
     """Optimizer steps skipped for a non-finite loss or gradient (nonfinite.py)."""
@@ -146,8 +162,11 @@ def check_compatible(
     world_size: int,
     path: Path,
     fingerprint: dict[str, Any] | None = None,
-) -> None:
+) -> ResumeLayout:
     """Refuse a resume that would not continue the same training; names the field.
+    Returns the layout of the global batch on `world_size` ranks: another world size is
+    re-partitioned, and train.grad_accum may differ from the saved one only to keep the
+    saved global batch (`repartition.resume_layout`).
 
     `fingerprint`: this run's {"features": ..., "data": ...} (`features_fingerprint`,
     `data_fingerprint`); only the sections it holds are compared."""
@@ -156,16 +175,24 @@ def check_compatible(
             f"{path}: checkpoint format_version {saved.get('format_version')} != "
             f"{FORMAT_VERSION} of this code; it cannot be resumed exactly"
         )
-    if saved.get("world_size") != world_size:
-        raise ResumeError(
-            f"{path}: saved with world_size {saved.get('world_size')}, resuming with "
-            f"{world_size}; the data order and optimizer shards depend on it"
+    train = saved["recipe"]["train"]
+    try:
+        layout = resume_layout(
+            saved["world_size"],
+            saved.get("grad_accum") or train["grad_accum"],
+            train["micro_batch_size"],
+            world_size,
+            recipe.dist.zero_stage,
         )
+    except ValueError as e:
+        raise ResumeError(f"{path}: {e}") from None
     old, new = _flatten(saved["recipe"]), _flatten(recipe.to_dict())
     changed = [
         k
         for k in sorted(set(old) | set(new))
-        if old.get(k) != new.get(k) and not k.startswith(MAY_CHANGE_ON_RESUME)
+        if old.get(k) != new.get(k)
+        and not k.startswith(MAY_CHANGE_ON_RESUME)
+        and not (k == "train.grad_accum" and new[k] == layout.grad_accum)  # batch kept
     ]
     if changed:
         detail = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
@@ -174,6 +201,7 @@ def check_compatible(
             "Resume with the original values or start a new run (another train.output_dir)."
         )
     _check_fingerprint(saved.get("fingerprint") or {}, fingerprint or {}, path)
+    return layout
 
 
 def _check_fingerprint(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
@@ -191,14 +219,14 @@ def _check_fingerprint(saved: dict[str, Any], current: dict[str, Any], path: Pat
 
 def check_saved(
     path: Path, recipe: Recipe, world_size: int, fingerprint: dict[str, Any] | None = None
-) -> None:
+) -> ResumeLayout:
     """`check_compatible` against the checkpoint at `path`."""
     meta_file = path / "train_state.json"
     try:
         meta = json.loads(meta_file.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ResumeError(f"{meta_file}: unreadable checkpoint metadata ({e})") from None
-    check_compatible(meta, recipe, world_size, path, fingerprint)
+    return check_compatible(meta, recipe, world_size, path, fingerprint)
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -403,16 +431,27 @@ def remove(path: Path) -> None:
 
 def load(engine, path: Path, recipe: Recipe, fingerprint: dict[str, Any]) -> TrainState:
     """Collective: restore weights, optimizer, scheduler, RNG and data cursor from `path`
-    (after `check_saved` with this run's `fingerprint`)."""
+    (after `check_saved` with this run's `fingerprint`).
+
+    Saved on another world size: the ZeRO optimizer state is re-partitioned
+    (repartition.py), and rank r takes the RNG states and rank-local counters (tokens) of
+    saved rank r mod W; they drive no training math (anchors are seeded per seed, rank
+    and micro step), so the equality that holds across the switch is the optimizer state
+    and the samples still to train, not the later losses of an uninterrupted run."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    check_saved(path, recipe, world, fingerprint)
+    layout = check_saved(path, recipe, world, fingerprint)
     load_path, _ = engine.load_checkpoint(
-        str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
+        str(path.parent),
+        tag=path.name,
+        load_optimizer_states=not layout.changed,
+        load_lr_scheduler_states=True,
     )
     if load_path is None:
         raise ResumeError(f"{path}: DeepSpeed could not load this checkpoint")
-    rank_file = path / f"rank{rank:05d}_state.pt"
+    if layout.changed:
+        load_zero_partitions(engine, path)
+    rank_file = path / f"rank{rank % layout.saved_world:05d}_state.pt"
     if not rank_file.is_file():
         raise ResumeError(f"{path}: missing {rank_file.name}")
     rank_state = torch.load(rank_file, weights_only=False)

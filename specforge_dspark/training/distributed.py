@@ -47,13 +47,15 @@ def skip_deepspeed_shm_build() -> None:
     del mod
 
 
-def deepspeed_config(recipe: Recipe, device: torch.device) -> dict:
+def deepspeed_config(recipe: Recipe, device: torch.device, grad_accum: int = 0) -> dict:
+    """`grad_accum`: the run's, when a resume on another world size changed it (else 0:
+    train.grad_accum)."""
     bf16 = recipe.dist.precision == "bf16" or (
         recipe.dist.precision == "auto" and device.type == "cuda"
     )
     return {
         "train_micro_batch_size_per_gpu": recipe.train.micro_batch_size,
-        "gradient_accumulation_steps": recipe.train.grad_accum,
+        "gradient_accumulation_steps": grad_accum or recipe.train.grad_accum,
         "gradient_clipping": recipe.optim.grad_clip,
         "zero_optimization": {"stage": recipe.dist.zero_stage},
         # skip a step whose gradient norm is non-finite (nonfinite.py; fp32 ZeRO always does)
