@@ -21,7 +21,7 @@ SMALL = [
     f"train.max_steps={STEPS}", "train.log_interval=1", "train.eval_interval=0",
     "checkpoint.save_interval=20", "checkpoint.keep_last=2", "data.max_rows=96",
     "data.max_length=128", "objective.num_anchors=16", "objective.chunk_size=8",
-    "tracking.enabled=false", "export.formats=[sglang]",
+    "tracking.enabled=false", "export.formats=[sglang]", "train.preflight_samples=0",
 ]  # fmt: skip
 
 

@@ -31,6 +31,7 @@ OVERRIDES = [
     "objective.num_anchors=16",
     "objective.chunk_size=8",
     "tracking.enabled=false",
+    "train.preflight_samples=0",
     "export.formats=[]",
 ]
 

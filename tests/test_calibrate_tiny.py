@@ -34,7 +34,7 @@ def calibrated_run(tmp_path_factory, tiny_target_dir) -> Path:
         "--master_port", "29741", "train.py", "--recipe", "recipes/tiny_cpu.yaml",
         "--resume", "none", f"train.output_dir={out}", f"train.max_steps={STEPS}",
         "train.eval_interval=0", f"checkpoint.save_interval={STEPS}",
-        "tracking.enabled=false", "export.formats=[sglang]",
+        "tracking.enabled=false", "export.formats=[sglang]", "train.preflight_samples=0",
         "export.calibrate_prompts=12", "export.calibrate_workloads=[gsm8k,math500]",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

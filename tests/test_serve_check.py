@@ -30,6 +30,7 @@ def trained_export(tiny_qwen3_dir, tmp_path_factory) -> Path:
         "--resume", "none", "target.backend=hf", f"train.output_dir={out}",
         "train.max_steps=200", "train.eval_interval=0", "checkpoint.save_interval=200",
         "data.max_rows=600", "tracking.enabled=false", "export.formats=[sglang]",
+        "train.preflight_samples=0",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)

@@ -108,6 +108,7 @@ def _train(out: Path, backend: str, *extra: str, wait: bool = True):
         "train.eval_interval=0", "checkpoint.save_interval=10", "checkpoint.keep_last=3",
         "data.max_rows=96", "data.max_length=160", "objective.num_anchors=16",
         "objective.chunk_size=8", "tracking.enabled=false", "export.formats=[sglang]",
+        "train.preflight_samples=0",
         f"target.backend={backend}", *extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECFORGE_TRAINED_IDS": str(out / "ids")}

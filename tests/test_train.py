@@ -39,6 +39,7 @@ def _train(out: Path, *extra: str, env: dict | None = None, port: int = 29701):
         "export.formats=[sglang]",
         "train.served_eval.num_prompts=2",
         "train.served_eval.max_new_tokens=16",
+        "train.preflight_samples=0",
     ]
     cmd = [
         sys.executable,

@@ -34,7 +34,8 @@ def _train(recipe: str, out: Path, steps: int, port: int, *extra: str):
         "--master_port", str(port), "train.py", "--recipe", recipe, "--resume", "none",
         f"train.output_dir={out}", f"train.max_steps={steps}", "train.log_interval=1",
         "train.eval_interval=0", f"checkpoint.save_interval={steps}", "data.max_rows=64",
-        "data.max_length=160", "objective.num_anchors=16", "tracking.enabled=false", *extra,
+        "data.max_length=160", "objective.num_anchors=16", "tracking.enabled=false",
+        "train.preflight_samples=0", *extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
