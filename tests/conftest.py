@@ -15,9 +15,11 @@ for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HOME", str(REPO / ".cache" / "hf"))
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+os.environ.setdefault("VLLM_CACHE_ROOT", str(REPO / ".cache" / "vllm"))
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 
-SERVER_FIXTURES = {"sglang_server", "chunked_server"}
+SERVER_FIXTURES = {"sglang_server", "chunked_server", "vllm_server", "inkling_server"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -73,3 +75,48 @@ def sglang_server(tiny_qwen3_dir, tmp_path_factory):
 
     with LiveServer(tiny_qwen3_dir, tmp_path_factory.mktemp("sglang")) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def inkling_server(tiny_target_dir, tmp_path_factory):
+    """One live CPU SGLang server running SGLang's own Inkling for the tiny Inkling
+    target (its SGLang layout, Triton's interpreter), shared by the session's tests."""
+    from tests.live_sglang import LiveServer
+
+    with LiveServer(tiny_target_dir, tmp_path_factory.mktemp("inkling")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_qwen3_dir, tmp_path_factory):
+    """One live CPU vLLM feature server (extract_hidden_states + our connector) for the
+    tiny Qwen3 target, shared by the session's tests (aux layers 0, 1, 2; fp32)."""
+    from tests.live_vllm import LiveVLLM
+
+    with LiveVLLM(tiny_qwen3_dir, tmp_path_factory.mktemp("vllm")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def trained_export(tiny_qwen3_dir, tmp_path_factory) -> Path:
+    """A tiny drafter trained 200 steps against the tiny Qwen3 target (hf backend),
+    exported in both layouts: returns the SGLang one, `../speculators` beside it holds the
+    same weights for vLLM (one training run feeds both judges)."""
+    import subprocess
+    import sys
+
+    from tests.live_sglang import free_port
+
+    out = tmp_path_factory.mktemp("served_draft")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_port", str(free_port()), "train.py", "--recipe", "recipes/tiny_cpu_sglang.yaml",
+        "--resume", "none", "target.backend=hf", f"train.output_dir={out}",
+        "train.max_steps=200", "train.eval_interval=0", "checkpoint.save_interval=200",
+        "data.max_rows=600", "tracking.enabled=false", "export.formats=[sglang,speculators]",
+        "train.preflight_samples=0",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out / "export" / "sglang"

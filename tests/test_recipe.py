@@ -118,6 +118,12 @@ def test_problems_are_collected_into_one_error(tmp_path):
             {"export": {"calibrate_prompts": 4, "formats": ["speculators"]}},
             "export.calibrate_prompts > 0 needs",
         ),
+        ({"target": {"backend": "vllm", "vllm": {"prot": 1}}}, "did you mean target.vllm.port"),
+        ({"target": {"vllm": {"server_args": []}}}, "target.vllm.server_args"),
+        (
+            {"draft": {"markov_head_type": "gated"}},
+            "vLLM's DSpark (the speculators format) has only the vanilla Markov head",
+        ),
     ],
 )
 def test_bad_values(raw, needle):

@@ -6,9 +6,6 @@ prompt, the verify step and both token streams."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,24 +15,6 @@ from specforge_dspark.decoding.spec_decode import Generation, Step
 from tests.live_sglang import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def trained_export(tiny_qwen3_dir, tmp_path_factory) -> Path:
-    """A tiny drafter trained 200 steps against the tiny Qwen3 target (hf backend)."""
-    out = tmp_path_factory.mktemp("served_draft")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_port", str(free_port()), "train.py", "--recipe", "recipes/tiny_cpu_sglang.yaml",
-        "--resume", "none", "target.backend=hf", f"train.output_dir={out}",
-        "train.max_steps=200", "train.eval_interval=0", "checkpoint.save_interval=200",
-        "data.max_rows=600", "tracking.enabled=false", "export.formats=[sglang]",
-        "train.preflight_samples=0",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out / "export" / "sglang"
 
 
 @pytest.fixture(scope="module")

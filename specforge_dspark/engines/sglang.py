@@ -47,6 +47,7 @@ from specforge_dspark.engines.features import (
     check_layer_ids,
     read_target_dims,
 )
+from specforge_dspark.engines.inkling_layout import needs_radix_cache, sglang_layout
 from specforge_dspark.engines.sglang_keeper import (
     ServerKeeper,
     group_running,
@@ -71,15 +72,13 @@ RESERVED = {
     "enable_return_aux_hidden_states": "the backend (always on)",
     "speculative_algorithm": "the backend (DSPARK capture convention)",
     "return_aux_hidden_state_layer_ids": "draft.target_layer_ids",
-    "disable_radix_cache": "the backend (always on: cached prefixes have no hidden states)",
+    "disable_radix_cache": "the backend (cached prefixes have no hidden states: see the plugin)",
     "disable_overlap_schedule": "the backend (always on: see OVERLAP below)",
     "dtype": "target.dtype",
 }
-OVERLAP = """Overlap scheduling is always off. With it, SGLang processes a batch's results after
-the next batch has launched, and only `hidden_states` is copied to the host before
-that; `last_hidden_states` would be read from device memory the next batch may reuse.
-A prefill-only feature request gains nothing from overlap, so we turn it off rather
-than copying in the forward pass."""
+OVERLAP = """Overlap scheduling is always off: SGLang would process a batch's results after the
+next batch launched, reading `last_hidden_states` from device memory it may reuse; a
+prefill-only feature request gains nothing from overlap."""
 CPU_ENGINE_ARGS: dict[str, Any] = {
     "device": "cpu",
     "attention_backend": "torch_native",
@@ -104,27 +103,43 @@ def launch_args(recipe) -> list[str]:
     """`sglang.launch_server` arguments for the recipe: capture flags + server_args."""
     t, s, d = recipe.target, recipe.target.sglang, recipe.draft
     check_layer_ids(d.target_layer_ids, d.num_target_layers)
-    args = ["--model-path", str(t.path), "--host", s.host, "--port", str(s.port)]
+    served = sglang_layout(t.path, log=lambda *a: None)  # a transformers Inkling: converted
+    args = ["--model-path", str(served), "--host", s.host, "--port", str(s.port)]
     args += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "DSPARK"]
     args += ["--return-aux-hidden-state-layer-ids", *map(str, d.target_layer_ids)]
-    args += ["--disable-radix-cache", "--disable-overlap-schedule", "--dtype", t.dtype]
+    if not needs_radix_cache(served):  # else our plugin keeps our requests off it
+        args += ["--disable-radix-cache"]
+    args += ["--disable-overlap-schedule", "--dtype", t.dtype]
     for key in s.server_args:
         if key in RESERVED:
             raise ValueError(
                 f"target.sglang.server_args.{key} is set by {RESERVED[key]}; remove it"
             )
-    extra = {**CPU_ENGINE_ARGS, **s.server_args} if is_cpu_engine(recipe) else s.server_args
-    for key, value in extra.items():
+    cpu = cpu_engine_args(served) if is_cpu_engine(recipe) else {}
+    for key, value in {**cpu, **s.server_args}.items():
         args += cli_flag(key, value)
     return args
 
 
+def cpu_engine_args(model: str | Path) -> dict[str, Any]:
+    """CPU_ENGINE_ARGS; for Inkling (its attention takes fa4 or triton only) triton, run by
+    Triton's interpreter, and no prefill graph (a CPU has no graph pool)."""
+    if needs_radix_cache(model):
+        return {
+            **CPU_ENGINE_ARGS,
+            "attention_backend": "triton",
+            "disable_prefill_cuda_graph": True,
+        }
+    return dict(CPU_ENGINE_ARGS)
+
+
 def is_cpu_engine(recipe) -> bool:
-    """A server for `target.device: cpu` runs SGLang's CPU engine."""
-    return recipe.target.device == "cpu"
+    return recipe.target.device == "cpu"  # SGLang's CPU engine
 
 
-def server_env(cpu_engine: bool, base: dict[str, str] | None = None) -> dict[str, str]:
+def server_env(
+    cpu_engine: bool, base: dict[str, str] | None = None, interpret_triton: bool = False
+) -> dict[str, str]:
     """The environment of a server we start: our plugin allowed, and for the CPU engine
     `SGLANG_USE_CPU_ENGINE=1` with the import shims first on PYTHONPATH (inherited by
     the scheduler and detokenizer processes it spawns). torchrun's variables are
@@ -139,6 +154,8 @@ def server_env(cpu_engine: bool, base: dict[str, str] | None = None) -> dict[str
     if cpu_engine:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_SHIMS), env.get("PYTHONPATH")) if p)
+        if interpret_triton:  # Triton kernels (Inkling's) run in Triton's interpreter
+            env["TRITON_INTERPRET"] = "1"
     return env
 
 
@@ -192,7 +209,8 @@ class ServerProcess:
                 f"the {PLUGIN_NAME} SGLang plugin is not registered in this environment "
                 "(entry point group sglang.srt.plugins): run `pip install -e .` here"
             )
-        env = server_env(cpu_engine)
+        triton = "--attention-backend triton" in " ".join(args)
+        env = server_env(cpu_engine, interpret_triton=cpu_engine and triton)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
         with log_path.open("ab") as log:

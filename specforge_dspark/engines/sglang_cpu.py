@@ -28,6 +28,8 @@ import os
 
 import torch
 
+from specforge_dspark.engines import sglang_cpu_inkling
+
 SPECULATIVE_HOOK = "sglang.srt.arg_groups.speculative_hook"
 TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
 
@@ -46,6 +48,7 @@ def register() -> None:
         DRAFT_ATTENTION_BACKEND_CHOICES.append("torch_native")
     if not getattr(torch.Tensor.record_stream, "_cpu_noop", False):
         torch.Tensor.record_stream = _record_stream_cpu_noop(torch.Tensor.record_stream)
+    sglang_cpu_inkling.register()
 
 
 def _record_stream_cpu_noop(original):

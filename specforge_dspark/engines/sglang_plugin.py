@@ -17,8 +17,12 @@ requests in flight any sequence may be split) reaches the hook once per chunk: m
 chunks with `store=False` (upstream drops their rows), the last one with `store=True`.
 We write every chunk's rows at their offset in the sequence (`req.extend_end -
 extend_input_len`, the chunk's first position) and mark the ticket done once all rows
-are there. The trainer's launcher passes `--disable-radix-cache` (a cached prefix has
-no hidden states) and `--disable-overlap-schedule` (engines/sglang.py, OVERLAP).
+are there. A cached prefix has no hidden states, so our requests never reuse one: the
+launcher passes `--disable-radix-cache` where the model allows it, and for models that
+require the radix cache (Inkling asserts it, `models/inkling.py` ~975) a second hook,
+on `Req._compute_max_prefix_len` (`managers/schedule_batch.py`, the cap on the prefix
+a request may match), caps it at 0 for our requests only. The launcher also passes
+`--disable-overlap-schedule` (engines/sglang.py, OVERLAP).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ APPEND_PREFILL = (
     "sglang.srt.managers.scheduler_components.batch_result_processor."
     "SchedulerBatchResultProcessor._append_prefill_hidden_states"
 )
+MAX_PREFIX_LEN = "sglang.srt.managers.schedule_batch.Req._compute_max_prefix_len"
 APPEND_PREFILL_PARAMS = (
     "self",
     "req",
@@ -68,8 +73,15 @@ def register() -> None:
     from specforge_dspark.engines import sglang_cpu
 
     HookRegistry.register(APPEND_PREFILL, append_prefill_hidden_states, HookType.AROUND)
+    HookRegistry.register(MAX_PREFIX_LEN, max_prefix_len, HookType.AROUND)
     if sglang_cpu.cpu_engine():
         sglang_cpu.register()
+
+
+def max_prefix_len(original, self, input_len: int) -> int:
+    """AROUND hook: a feature request matches no cached prefix (its every position must
+    be prefilled to have hidden states); other requests keep SGLang's cap."""
+    return 0 if parse_rid(self.rid) is not None else original(self, input_len)
 
 
 def make_rid(nonce: str, ticket: int, path: str) -> str:

@@ -10,6 +10,9 @@
 - `aux_hidden_state_layer_ids = [k + 1 for k in target_layer_ids]`: speculators indexes
   the hidden-states tuple (0 = embeddings), our ids name the layer whose output is used
   (its DFlash converter applies the same +1).
+- Markov head: vanilla only. vLLM 0.32's DSpark builds only `DSparkMarkovHead` (markov_w1,
+  markov_w2) whatever `markov_head_type` says, so a gated or rnn drafter is refused here
+  (it would be served without its gate or recurrence); the sglang format serves them.
 - tensor names: the SGLang names unchanged (same module tree: `fc`, `hidden_norm`,
   `layers.*`, `norm`, `markov_head.markov_w{1,2}`, `confidence_head.proj`). The verifier's
   embedding is never stored: the loader reads it from the verifier by name.
@@ -30,10 +33,8 @@
   normed `hidden` feeds the Markov head (gated/rnn) and the confidence head
   (models/dspark/core.py:169-196). So the multiplier is folded into the draft's final
   norm: `norm.weight / mult` (then `h' = h / mult` and `lm_head(h') = lm_head(h / mult)`,
-  our base logits), and every head that reads `h` gets its `h` input columns multiplied
-  by `mult` so it sees `h` again: `confidence_head.proj.weight[:, :H]`,
-  `markov_head.gate_proj.weight[:, :H]` (gated: input [h ; W1[prev]]),
-  `markov_head.joint_proj.weight[:, 2R:2R+H]` (rnn: input [s ; W1[prev] ; h]). Both
+  our base logits), and the confidence head, which reads `h`, gets its `h` input columns
+  multiplied by `mult` so it sees `h` again: `confidence_head.proj.weight[:, :H]`. Both
   products are exact in bf16 for a power-of-two multiplier (Inkling's tiny target: 4);
   otherwise each adds one rounding, the size of the bf16 export rounding itself. vLLM's
   DSpark (upstream `vllm/model_executor/models/qwen3_dspark.py`, read from the public
@@ -119,6 +120,13 @@ def speculators_layout(
     if n_layers is not None and n_layers != cfg.num_target_layers:
         problems.append(
             f"target has {n_layers} layers, draft.num_target_layers is {cfg.num_target_layers}"
+        )
+    if cfg.markov_head_type != "vanilla":
+        problems.append(
+            f"draft.markov_head_type is {cfg.markov_head_type!r}: vLLM's DSpark "
+            "(model_executor/models/qwen3_dspark.py, DSparkMarkovHead) builds only the vanilla "
+            "Markov head and ignores the config's markov_head_type, so it would serve this "
+            "drafter without its gate/recurrence; export it in the sglang format"
         )
     last = [k for k in cfg.target_layer_ids if k + 1 >= cfg.num_target_layers]
     if last:
@@ -218,19 +226,15 @@ def speculators_config(
 
 
 def _fold_mup_into_norm(state: dict[str, torch.Tensor], cfg: DSparkConfig, mult: float) -> None:
-    """`h' = h / mult` out of the final norm; the heads reading `h` get its columns x mult."""
-    H, R = cfg.hidden_size, cfg.markov_rank
+    """`h' = h / mult` out of the final norm; the confidence head, which reads `h`
+    ([h ; W1[prev]] or h), gets its `h` columns x mult (the vanilla Markov head reads no
+    `h`; gated and rnn heads are refused for this format)."""
     state["norm.weight"] = state["norm.weight"] / mult
-    h_columns = {
-        "confidence_head.proj.weight": slice(0, H),  # [h ; W1[prev]] or h
-        "markov_head.gate_proj.weight": slice(0, H),  # gated: [h ; W1[prev]]
-        "markov_head.joint_proj.weight": slice(2 * R, 2 * R + H),  # rnn: [s ; W1[prev] ; h]
-    }
-    for name, columns in h_columns.items():
-        if name in state:
-            w = state[name].clone()
-            w[:, columns] *= mult
-            state[name] = w
+    name = "confidence_head.proj.weight"
+    if name in state:
+        w = state[name].clone()
+        w[:, : cfg.hidden_size] *= mult
+        state[name] = w
 
 
 def _qwen3_layer_config(cfg: DSparkConfig) -> dict[str, Any]:

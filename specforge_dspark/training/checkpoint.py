@@ -69,6 +69,7 @@ MAY_CHANGE_ON_RESUME = (
     "target.backend",
     "target.offline_dir",
     "target.sglang.",
+    "target.vllm.",
     "data.num_proc",
     "data.cache_dir",
     "data.regenerate.",

@@ -71,6 +71,10 @@ def make_engine(recipe, rank: int, world_size: int, num_slots: int) -> Engine:
         from specforge_dspark.engines.sglang import SGLangEngine
 
         return SGLangEngine(recipe, rank, world_size, num_slots)
+    if backend == "vllm":
+        from specforge_dspark.engines.vllm import VLLMEngine
+
+        return VLLMEngine(recipe, rank, world_size, num_slots)
     if backend == "offline":
         from specforge_dspark.engines.offline import OfflineEngine
 

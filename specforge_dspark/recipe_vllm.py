@@ -1,0 +1,24 @@
+"""The `target.vllm` recipe section (kept beside recipe.py, which holds the others)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class VLLMServer:
+    """How the `vllm` backend reaches its server (engines/vllm.py)."""
+
+    url: str | None = None
+    """Attach to a running vLLM server at this base URL instead of starting one (it must
+    run extract_hidden_states and our connector: engines/vllm.py `launch_args`)."""
+    host: str = "127.0.0.1"
+    port: int = 30200
+    python: str = ".venv-vllm/bin/python"
+    """The interpreter whose environment has vLLM and this package: a path (relative to
+    the working directory; `make vllm-venv` creates this one) or a name on PATH."""
+    startup_timeout_s: float = 1800.0
+    """Longest wait for the server to answer at start-up."""
+    server_args: dict[str, Any] = field(default_factory=dict)
+    """Extra vLLM server arguments by name (tensor_parallel_size, max_model_len, ...)."""
