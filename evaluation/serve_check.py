@@ -1,12 +1,15 @@
-"""The serving engine as the judge: SGLang's own DSPARK speculative decoding of an
-exported drafter, compared prompt by prompt with our harness.
+"""The serving engine as the judge: SGLang's own DSPARK (DSpark export) or DFLASH (DFlash
+export) speculative decoding of an exported drafter, compared prompt by prompt with our
+harness.
 
     python -m evaluation.serve_check --target T --draft EXPORT_DIR \
         --workloads gsm8k,mt_bench --num-prompts 8 --max-new-tokens 64 --out DIR
 
-Starts `sglang.launch_server --speculative-algorithm DSPARK --speculative-draft-model-path
-EXPORT_DIR` for the target (SGLang's CPU engine on CPU, in fp32 where both are exact;
-engines/sglang_cpu.py has the hooks it needs there), sends every prompt greedily, and
+Starts `sglang.launch_server --speculative-algorithm DSPARK|DFLASH
+--speculative-draft-model-path EXPORT_DIR` (the algorithm named by the export's
+`architectures`, drafters.registry.kind_of_dir) for the target (SGLang's CPU engine on
+CPU, in fp32 where both are exact; engines/sglang_cpu.py and its sglang_cpu_* modules have
+the hooks it needs there), sends every prompt greedily, and
 decodes the same prompts with decoding.spec_decode. They agree when, on every prompt,
 the output tokens are equal, SGLang's verify count equals the harness's steps, and
 SGLang's accepted-draft histogram equals the harness's. Accept length is pooled over
@@ -33,13 +36,17 @@ from specforge_dspark.decoding.hf_target import HFTarget
 from specforge_dspark.decoding.loading import DTYPES, check_pair, head_fns, load_drafter
 from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
 from specforge_dspark.decoding.spec_decode import Generation, speculative_generate
-from specforge_dspark.engines.sglang import CPU_ENGINE_ARGS, ServerProcess, cli_flag
+from specforge_dspark.drafters.registry import kind_of_dir
+from specforge_dspark.engines.inkling_layout import needs_radix_cache, sglang_layout
+from specforge_dspark.engines.sglang import ServerProcess, cli_flag, cpu_engine_args
 from specforge_dspark.export.conventions import check_conventions
 
 START_TIMEOUT_S = 600.0
 
 
 STS_LOADED = "DSpark STS calibration loaded from"  # SGLang's log line (dspark_planner.py)
+ALGORITHMS = {"dspark": "DSPARK", "dflash": "DFLASH"}
+"""SGLang's --speculative-algorithm for each drafter kind."""
 
 
 def server_args(
@@ -47,13 +54,17 @@ def server_args(
 ) -> list[str]:
     """`sglang.launch_server` arguments that serve `draft` for `target` greedily (with the
     confidence calibration `sts` when given)."""
-    args = ["--model-path", str(target), "--port", str(port), "--host", "127.0.0.1"]
-    args += ["--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", str(draft)]
+    served = sglang_layout(target, log=lambda *a: None)  # a transformers Inkling: converted
+    args = ["--model-path", str(served), "--port", str(port), "--host", "127.0.0.1"]
+    algorithm = ALGORITHMS[kind_of_dir(draft)]
+    args += ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", str(draft)]
     if sts is not None:
         args += ["--speculative-dspark-confidence-sts-path", str(sts)]
-    args += ["--dtype", dtype, "--disable-overlap-schedule", "--disable-radix-cache"]
+    args += ["--dtype", dtype, "--disable-overlap-schedule"]
+    if not needs_radix_cache(served):  # SGLang's Inkling asserts it on
+        args += ["--disable-radix-cache"]
     if device == "cpu":
-        for key, value in CPU_ENGINE_ARGS.items():
+        for key, value in cpu_engine_args(served).items():
             args += cli_flag(key, value)
     return args
 
@@ -189,7 +200,7 @@ def serve_check(
     rows: list[dict] = []
     try:
         start_s = wait_healthy(server, url)
-        log(f"SGLang DSPARK server ready in {start_s:.0f}s ({url})")
+        log(f"SGLang {ALGORITHMS[kind_of_dir(draft)]} server ready in {start_s:.0f}s ({url})")
         for spec in workloads:
             workload = parse_workload(spec)
             for conv in load_conversations(workload, num_prompts):

@@ -78,6 +78,30 @@ def sglang_server(tiny_qwen3_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def calibrated_inkling_run(tmp_path_factory, tiny_target_dir) -> Path:
+    """A DSpark drafter trained 150 steps against the tiny Inkling target (hf backend, GSM8K
+    reference answers), its SGLang export calibrated by export.calibrate_prompts. Shared
+    by the calibration tests and SGLang Inkling's DSPARK judge."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("calibrate_tiny") / "run"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_port", "29741", "train.py", "--recipe", "recipes/tiny_cpu.yaml",
+        "--resume", "none", f"train.output_dir={out}", "train.max_steps=150",
+        "train.eval_interval=0", "checkpoint.save_interval=150",
+        "tracking.enabled=false", "export.formats=[sglang]", "train.preflight_samples=0",
+        "export.calibrate_prompts=12", "export.calibrate_workloads=[gsm8k,math500]",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "STS temperatures" in r.stdout + r.stderr
+    return out
+
+
+@pytest.fixture(scope="session")
 def inkling_server(tiny_target_dir, tmp_path_factory):
     """One live CPU SGLang server running SGLang's own Inkling for the tiny Inkling
     target (its SGLang layout, Triton's interpreter), shared by the session's tests."""

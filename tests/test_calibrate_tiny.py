@@ -12,9 +12,6 @@ checkpoint only in the confidence bias, by exactly the recorded shift.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,21 +24,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def calibrated_run(tmp_path_factory, tiny_target_dir) -> Path:
-    out = tmp_path_factory.mktemp("calibrate_tiny") / "run"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_port", "29741", "train.py", "--recipe", "recipes/tiny_cpu.yaml",
-        "--resume", "none", f"train.output_dir={out}", f"train.max_steps={STEPS}",
-        "train.eval_interval=0", f"checkpoint.save_interval={STEPS}",
-        "tracking.enabled=false", "export.formats=[sglang]", "train.preflight_samples=0",
-        "export.calibrate_prompts=12", "export.calibrate_workloads=[gsm8k,math500]",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "STS temperatures" in r.stdout + r.stderr
-    return out
+def calibrated_run(calibrated_inkling_run) -> Path:
+    return calibrated_inkling_run
 
 
 def test_calibration_halves_the_held_out_ece(calibrated_run):

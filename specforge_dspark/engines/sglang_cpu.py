@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from specforge_dspark.engines import sglang_cpu_inkling
+from specforge_dspark.engines import sglang_cpu_dflash, sglang_cpu_inkling
 
 SPECULATIVE_HOOK = "sglang.srt.arg_groups.speculative_hook"
 TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
@@ -49,6 +49,7 @@ def register() -> None:
     if not getattr(torch.Tensor.record_stream, "_cpu_noop", False):
         torch.Tensor.record_stream = _record_stream_cpu_noop(torch.Tensor.record_stream)
     sglang_cpu_inkling.register()
+    sglang_cpu_dflash.register(handle_dspark)
 
 
 def _record_stream_cpu_noop(original):
