@@ -117,7 +117,7 @@ def _train(out: Path, backend: str, *extra: str) -> subprocess.CompletedProcess:
         "--recipe", "recipes/tiny_cpu_inkling_sglang.yaml", "--resume", "none",
         f"train.output_dir={out}", f"train.max_steps={STEPS}", "train.log_interval=1",
         "train.eval_interval=0", f"checkpoint.save_interval={STEPS}", "data.max_rows=48",
-        "data.max_length=64", "objective.num_anchors=16", "objective.chunk_size=8",
+        "data.max_length=48", "objective.num_anchors=16", "objective.chunk_size=8",
         "tracking.enabled=false", "export.formats=[sglang]", "train.preflight_samples=0",
         f"target.backend={backend}", *extra,
     ]  # fmt: skip
@@ -153,14 +153,14 @@ def test_sglang_inkling_serves_our_dspark_export_as_our_harness_decodes_it(
 
     report = serve_check(
         tiny_target_dir, calibrated_inkling_run / "export" / "sglang", ["gsm8k"],
-        num_prompts=2, max_new_tokens=24, out_dir=tmp_path, port=free_port(),
+        num_prompts=2, max_new_tokens=16, out_dir=tmp_path, port=free_port(),
         log=lambda *a: None,
     )  # fmt: skip
     assert report["agree"] is True, [explain(r) for r in report["prompts"] if not r["agree"]]
     assert report["num_prompts"] == 2 and report["sts_path"]
     assert report["sglang_accept_length"] == pytest.approx(report["harness_accept_length"])
     accepted = sum(k * n for r in report["prompts"] for k, n in enumerate(r["sglang_hist"]))
-    assert accepted >= 8, f"too few accepted drafts to judge: {report['prompts']}"
+    assert accepted >= 5, f"too few accepted drafts to judge: {report['prompts']}"
     print(
         f"SGLang Inkling DSPARK: 2/2 prompts agree, accept length "
         f"{report['sglang_accept_length']:.3f}, {accepted} accepted drafts, server ready in "
