@@ -14,6 +14,7 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -266,14 +267,24 @@ def test_launch_args_for_the_production_recipe(repo):
     i = args.index("--return-aux-hidden-state-layer-ids")
     assert args[i + 1 : i + 6] == ["5", "17", "35", "47", "59"]
     assert args[args.index("--speculative-algorithm") + 1] == "DSPARK"
-    for flag in (
-        "--enable-return-aux-hidden-states",
-        "--disable-radix-cache",
-        "--trust-remote-code",
-    ):
+    for flag in ("--enable-return-aux-hidden-states", "--trust-remote-code"):
         assert flag in args
+    # SGLang's Inkling asserts the radix cache on; our plugin keeps feature requests off it
+    assert "--disable-radix-cache" not in args
     assert args[args.index("--tp-size") + 1] == "8"
     assert args[args.index("--mem-fraction-static") + 1] == "0.55"
+
+
+def test_radix_cache_is_off_only_where_the_target_allows_it(tiny_qwen3_dir, tiny_target_dir):
+    from tests.live_sglang import tiny_sglang_recipe
+
+    qwen3 = launch_args(tiny_sglang_recipe(tiny_qwen3_dir))
+    inkling = launch_args(tiny_sglang_recipe(tiny_target_dir))
+    assert "--disable-radix-cache" in qwen3 and "--disable-radix-cache" not in inkling
+    served = Path(inkling[inkling.index("--model-path") + 1])
+    assert served.name == "tiny_target_sglang"  # SGLang's layout, converted once
+    assert inkling[inkling.index("--attention-backend") + 1] == "triton"
+    assert qwen3[qwen3.index("--attention-backend") + 1] == "torch_native"
 
 
 def test_launch_args_refuse_reserved_keys_and_unsorted_layers(repo):
