@@ -16,6 +16,9 @@ Conventions, checked against the installed SGLang 0.5.23 and transformers 5.19:
   serving engine: `embed(ids)` returns raw rows and `embed_norm` is never read.
 - muP: `logits = lm_head(h / logits_mup_width_multiplier)`, divided exactly once, as
   transformers' `InklingForCausalLM.forward` and SGLang's `compute_base_logits` do.
+  SGLang's DFLASH drafts take the argmax of the UNdivided `h @ W.T` instead
+  (`dflash_worker_v2.py:189`, `:1690`): the same argmax for a positive multiplier, so one
+  convention serves both kinds (drafters/dflash.py, "muP").
 - Teacher logits (`teacher_logits`) are what SGLang's Inkling serves: its config sets
   `enable_lm_head_output_fp32`, so `LogitsProcessor._compute_lm_head` multiplies the bf16
   hidden (already divided by muP) by the bf16 head with a float32 OUTPUT
@@ -90,7 +93,8 @@ class FrozenHead(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Draft base logits `lm_head(h / mup)` over all `vocab_rows` columns `[..., V_rows]`,
-        in the head's dtype (SGLang's DSpark `project_through_lm_head`)."""
+        in the head's dtype (SGLang's DSpark `project_through_lm_head`; SGLang's DFLASH
+        takes the argmax of the undivided product, the same tokens: module docstring)."""
         return F.linear(self._head_input(h), self.lm_head_weight)
 
     def teacher_logits(self, h: torch.Tensor) -> torch.Tensor:

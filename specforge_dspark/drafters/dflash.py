@@ -7,10 +7,24 @@ the installed source (where this file and DSPARK_SPEC.md differ, the engine wins
   the block is [bonus, MASK * (G-1)] at positions seq_len .. seq_len+G-1 (seq_len = the
   committed tokens, whose target hidden states are in the draft's KV cache); the drafts are
   the greedy argmax of the target LM head over hidden rows 1..G-1 (`draft_hidden[:, 1:]`,
-  raw `lm_head.weight`, every row, no muP division: an argmax is scale free), so one block
-  yields G-1 drafts and the target verifies the G tokens [bonus, d_1 .. d_{G-1}].
+  raw `lm_head.weight`, every row), so one block yields G-1 drafts and the target verifies
+  the G tokens [bonus, d_1 .. d_{G-1}].
   DSpark instead drafts from all G rows (slot k predicts a+k+1, prev-token Markov head):
   here row k (k >= 1) predicts the token at a+k and row 0 predicts nothing.
+- muP: DFLASH does NOT divide the draft hidden by the target's
+  `logits_mup_width_multiplier` (only the target's own logits are divided,
+  `models/inkling.py:1139-1143`). Its drafts are `argmax(h @ W[:num_org].T)` of the raw
+  final-normed hidden (`models/dflash.py:877-884`, no scale): eager
+  `dflash_worker_v2.py:2803-2808` -> `_greedy_sample_from_vocab_parallel_head`, tp=1 at
+  :1690; CUDA graphs `_DflashDraftSampler.__call__` :189-191. The draft's logits never
+  enter a softmax there (greedy verify compares drafts with the target's argmax, :2227;
+  sampling verify takes them as a point-mass chain, `dflash_utils.py:893-912`), and
+  `output_multiplier` scales only the DFlash2 selector's logits (`models/dflash.py:1284-1291`;
+  refused below). We train and decode `lm_head(h / mult)` (FrozenHead.logits): for
+  mult > 0 its argmax IS the engine's draft (h / 4 is even exact in binary floating
+  point), so training serves what the engine serves; the multiplier only sets the
+  training softmax on the teacher's own logit scale. tests/test_serve_dflash.py checks
+  `propose` against `_DflashDraftSampler` and serves an export with SGLang's DFLASH.
 - context K/V (`_append_target_hidden_sequential`): each layer's k_proj/v_proj of the shared
   hidden_norm(fc(aux)) WITHOUT the layer's input_layernorm, then k_norm, then RoPE at the
   context positions: the same KV injection as DSpark (`layers.DecoderLayer`).

@@ -19,19 +19,20 @@ is a platform answer named after the SGLang line it bridges (found in launch ord
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 SPECULATIVE_HOOK = "sglang.srt.arg_groups.speculative_hook"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 
 
-def register(device_gate) -> None:
+def register(device_gate: Callable) -> None:
     """`device_gate(original, server_args)`: the CPU engine's speculative device gate
     (sglang_cpu.handle_dspark), applied to `_handle_dflash` as to `_handle_dspark`."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(f"{SPECULATIVE_HOOK}._handle_dflash", device_gate, HookType.AROUND)
-
     HookRegistry.register(
         f"{MODEL_RUNNER}._extend_forward_kwargs", extend_forward_kwargs, HookType.AROUND
     )
