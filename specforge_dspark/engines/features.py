@@ -33,7 +33,11 @@ layer_output. transformers' Inkling has no such flag and always builds one.
 
 from __future__ import annotations
 
+import http.client
 import json
+import urllib.error
+import urllib.request
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -293,3 +297,21 @@ def _has_mlp_sconv(layer: torch.nn.Module) -> bool:
         getattr(layer, "mlp_sconv", None) is not None
         and getattr(layer, "post_attention_layernorm", None) is not None
     )
+
+
+def post_json(url: str, body: bytes, timeout_s: float, fut: Future) -> None:
+    """POST a JSON `body` to a live server's `url`; its JSON reply, or the failure, lands
+    in `fut`: TargetLost when the server cannot be reached (refused, reset, socket
+    timeout), RuntimeError for an HTTP error or a reply that is not JSON. The trainer's
+    own deadline fires first; `timeout_s` only frees the thread."""
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            fut.set_result(json.loads(r.read()))
+    except urllib.error.HTTPError as e:
+        detail = e.read()[:500].decode(errors="replace")
+        fut.set_exception(RuntimeError(f"HTTP {e.code}: {detail}"))
+    except (OSError, http.client.HTTPException) as e:
+        fut.set_exception(TargetLost(f"{type(e).__name__}: {e}"))
+    except Exception as e:  # bad JSON
+        fut.set_exception(RuntimeError(f"{type(e).__name__}: {e}"))

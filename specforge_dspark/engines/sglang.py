@@ -20,7 +20,6 @@ the trainer waits for them to answer again, or stops with the error that ended t
 
 from __future__ import annotations
 
-import http.client
 import importlib.metadata
 import json
 import os
@@ -45,6 +44,7 @@ from specforge_dspark.engines.features import (
     TargetGone,
     TargetLost,
     check_layer_ids,
+    post_json,
     read_target_dims,
 )
 from specforge_dspark.engines.inkling_layout import needs_radix_cache, sglang_layout
@@ -397,26 +397,13 @@ class SGLangEngine:
         fut: Future = Future()
         body = json.dumps(request_body(rids, ids)).encode()
         threading.Thread(
-            target=self._post, args=(body, fut), daemon=True, name=f"sglang-req-{seq}"
+            target=post_json,
+            args=(f"{self.url}/generate", body, self.timeout_s + 30.0, fut),
+            daemon=True,
+            name=f"sglang-req-{seq}",
         ).start()
         self.futures[seq] = fut
         self.slot_busy[index] = fut
-
-    def _post(self, body: bytes, fut: Future) -> None:
-        req = urllib.request.Request(
-            f"{self.url}/generate", data=body, headers={"Content-Type": "application/json"}
-        )
-        try:
-            # the trainer's deadline (timeout_s) fires first; this only frees the thread
-            with urllib.request.urlopen(req, timeout=self.timeout_s + 30.0) as r:
-                fut.set_result(json.loads(r.read()))
-        except urllib.error.HTTPError as e:
-            detail = e.read()[:500].decode(errors="replace")
-            fut.set_exception(RuntimeError(f"HTTP {e.code}: {detail}"))
-        except (OSError, http.client.HTTPException) as e:  # refused, reset, socket timeout
-            fut.set_exception(TargetLost(f"{type(e).__name__}: {e}"))
-        except Exception as e:  # bad JSON
-            fut.set_exception(RuntimeError(f"{type(e).__name__}: {e}"))
 
     def result(self, seq: int, batch: PaddedBatch, deadline: float) -> TargetFeatures:
         self.wait_ready()

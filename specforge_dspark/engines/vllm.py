@@ -27,7 +27,6 @@ naming it (this backend does not restart servers: target.max_restarts does not a
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import shutil
@@ -50,6 +49,7 @@ from specforge_dspark.engines.features import (
     TargetDims,
     TargetFeatures,
     TargetLost,
+    post_json,
     read_target_config,
     read_target_dims,
 )
@@ -312,28 +312,14 @@ class VLLMEngine:
         """POST every sequence of a batch at once (vLLM batches them); one result."""
         parts: list[Future] = [Future() for _ in bodies]
         for body, part in zip(bodies, parts, strict=True):
-            threading.Thread(target=self._post, args=(body, part), daemon=True).start()
+            url, data = f"{self.url}/v1/completions", json.dumps(body).encode()
+            threading.Thread(
+                target=post_json, args=(url, data, self.timeout_s + 30.0, part), daemon=True
+            ).start()
         try:
             fut.set_result([p.result() for p in parts])
         except Exception as e:
             fut.set_exception(e)
-
-    def _post(self, body: dict[str, Any], fut: Future) -> None:
-        req = urllib.request.Request(
-            f"{self.url}/v1/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s + 30.0) as r:
-                fut.set_result(json.loads(r.read()))
-        except urllib.error.HTTPError as e:
-            detail = e.read()[:500].decode(errors="replace")
-            fut.set_exception(RuntimeError(f"HTTP {e.code}: {detail}"))
-        except (OSError, http.client.HTTPException) as e:  # refused, reset, socket timeout
-            fut.set_exception(TargetLost(f"{type(e).__name__}: {e}"))
-        except Exception as e:  # bad JSON
-            fut.set_exception(RuntimeError(f"{type(e).__name__}: {e}"))
 
     def result(self, seq: int, batch: PaddedBatch, deadline: float) -> TargetFeatures:
         self.wait_ready()
