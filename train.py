@@ -13,7 +13,6 @@ frozen and replicated outside the optimizer. Importing this file does nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -247,20 +246,6 @@ def _check_head_matches(recipe: Recipe, head) -> None:
         )
 
 
-# --------------------------------------------------------------------------- data order
-# The order and its cursor: specforge_dspark/training/data_order.py
-
-
-def _record_trained(run: Run, micro_step: int, sample_ids: list[int], trained: bool) -> None:
-    """SPECFORGE_TRAINED_IDS=<dir> (a test hook): append each micro-batch's sample ids to
-    <dir>/rank<r>.jsonl, in training order; `trained` is false for a skipped update."""
-    where = os.environ.get("SPECFORGE_TRAINED_IDS")
-    if where:
-        record = {"micro_step": micro_step + 1, "sample_ids": sample_ids, "trained": trained}
-        with open(Path(where) / f"rank{run.rank}.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
 # --------------------------------------------------------------------------- train
 
 
@@ -358,7 +343,6 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
                     evals = []
                 continue
             out = train_step(run, feats, state.micro_step, guard)
-            _record_trained(run, state.micro_step, feats.sample_ids, out is not None)
             boundary = eng.is_gradient_accumulation_boundary()
             eng.step()  # at a boundary: the update, or DeepSpeed's skip of a non-finite one
             state.micro_step += 1

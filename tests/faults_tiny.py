@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from tests.inject import drills
 from tests.live_sglang import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,14 +56,11 @@ def command(out: Path, *extra: str) -> list[str]:
 
 
 def environment(out: Path, env: dict | None) -> dict:
-    """OMP_NUM_THREADS=1 and the trained-ids record in out/ids (SPECFORGE_TRAINED_IDS)."""
+    """OMP_NUM_THREADS=1, the test-side fault injector on PYTHONPATH (tests/inject/) and
+    its trained-ids record in out/ids; `env`: the drill's own variables (drills.py)."""
     (out / "ids").mkdir(parents=True, exist_ok=True)
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "SPECFORGE_TRAINED_IDS": str(out / "ids"),
-        **(env or {}),
-    }
+    base = {**os.environ, "OMP_NUM_THREADS": "1", drills.IDS: str(out / "ids"), **(env or {})}
+    return drills.environment(base)
 
 
 def train(out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -1,11 +1,12 @@
 """Non-finite values on CPU, 2 gloo ranks, DeepSpeed ZeRO-2 fp32 (training/nonfinite.py).
 
-Injected (SPECFORGE_INJECT_NAN) into a run with the reference run's data: a NaN loss on
-rank 0 at step 3, NaN features in rank 0's sample of micro-batch 5 and a NaN gradient on
-rank 1 at step 6. A skipped step leaves weights, Adam state, master weights and the LR
-scheduler bitwise as they were; the bad sample does not train; counters and sample ids
-are logged; a resume from a checkpoint after a skip continues exactly; too many skipped
-steps in a row stop the run with a message and a complete checkpoint of the good state.
+Injected from the test side (SPECFORGE_INJECT_NAN, tests/inject/drills.py) into a run
+with the reference run's data: a NaN loss on rank 0 at step 3, NaN features in rank 0's
+sample of micro-batch 5 and a NaN gradient on rank 1 at step 6. A skipped step leaves
+weights, Adam state, master weights and the LR scheduler bitwise as they were; the bad
+sample does not train; counters and sample ids are logged; a resume from a checkpoint
+after a skip continues exactly; too many skipped steps in a row stop the run with a
+message and a complete checkpoint of the good state.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import shutil
 import pytest
 import torch
 
-from specforge_dspark.training.nonfinite import Injection
 from tests import faults_tiny as ft
+from tests.inject.drills import NAN, Injection
 
 pytestmark = pytest.mark.slow
 
-INJECT = {"SPECFORGE_INJECT_NAN": "loss:3,features:5,grad:6@1"}
+INJECT = {NAN: "loss:3,features:5,grad:6@1"}
 
 
 @pytest.fixture(scope="module")
@@ -33,18 +34,15 @@ def runs(tmp_path_factory, tiny_target_dir):
 
 
 def test_injection_spec_parses():
-    inj = Injection.from_env(0)
-    assert inj.ranges == {}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPECFORGE_INJECT_NAN", "loss:3,features:5-7,grad:9-,loss:2@1")
-        inj = Injection.from_env(0)
-        assert inj.hits("loss", 3) and not inj.hits("loss", 2)
-        assert [inj.hits("features", n) for n in (4, 5, 7, 8)] == [False, True, True, False]
-        assert inj.hits("grad", 9) and inj.hits("grad", 10**6)
-        assert Injection.from_env(1).hits("loss", 2)
-        mp.setenv("SPECFORGE_INJECT_NAN", "loss=3")
-        with pytest.raises(ValueError, match="cannot parse 'loss=3'"):
-            Injection.from_env(0)
+    assert Injection.parse("", 0).ranges == {}
+    spec = "loss:3,features:5-7,grad:9-,loss:2@1"
+    inj = Injection.parse(spec, 0)
+    assert inj.hits("loss", 3) and not inj.hits("loss", 2)
+    assert [inj.hits("features", n) for n in (4, 5, 7, 8)] == [False, True, True, False]
+    assert inj.hits("grad", 9) and inj.hits("grad", 10**6)
+    assert Injection.parse(spec, 1).hits("loss", 2)
+    with pytest.raises(ValueError, match="cannot parse 'loss=3'"):
+        Injection.parse("loss=3", 0)
 
 
 def test_skipped_steps_change_no_weight_moment_or_schedule(runs):
@@ -73,6 +71,9 @@ def test_counters_and_sample_ids_are_reported(runs):
     assert m[4]["nonfinite_samples"] == 0 and m[5]["nonfinite_samples"] == 1
     assert m[6]["nonfinite_in_a_row"] == 1 and m[7]["nonfinite_in_a_row"] == 0
     log = p.stdout + p.stderr
+    for landed in ("rank 0: NaN loss at step 3", "rank 0: NaN features in micro-batch 5"):
+        assert f"[drill] {landed}" in log
+    assert "[drill] rank 1: NaN gradient at step 6" in log
     assert f"step 3: non-finite loss in sample(s) {ids0[3]}: update skipped (1 in a row" in log
     assert f"step 5: non-finite target features in sample(s) {ids0[5]}: not trained" in log
     assert "step 6: non-finite gradient norm" in log
@@ -103,7 +104,7 @@ def test_too_many_nonfinite_steps_in_a_row_stop_with_a_good_checkpoint(runs, tmp
         "none",
         "train.max_nonfinite_steps=2",
         "checkpoint.save_interval=100",
-        env={"SPECFORGE_INJECT_NAN": "loss:3-"},
+        env={NAN: "loss:3-"},
     )
     assert p.returncode != 0
     assert "error: step 4: 2 non-finite steps in a row (train.max_nonfinite_steps=2" in p.stderr

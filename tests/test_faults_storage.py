@@ -20,6 +20,7 @@ from specforge_dspark.recipe import Recipe
 from specforge_dspark.training import checkpoint
 from specforge_dspark.training.checkpoint import CheckpointWriteError, TrainState
 from tests import faults_tiny as ft
+from tests.inject import drills
 
 
 class BlobEngine:
@@ -98,8 +99,10 @@ def test_failed_save_stops_the_run_and_resume_is_exact(tmp_path, tmp_path_factor
     ref = ft.reference(tmp_path_factory.getbasetemp())
     out = tmp_path / "run"
     # rank 1 alone fails (its 2.4 MB optimizer shard): rank 0 must not be left waiting
-    p = ft.train(out, "--resume", "none", env={"SPECFORGE_CKPT_FSIZE": "3:1000000@1"})
+    p = ft.train(out, "--resume", "none", env={drills.FSIZE: "3:1000000@1"})
     assert p.returncode != 0
+    assert "[drill] rank 1: files limited to 1000000 bytes while saving step 3" in p.stderr
+    assert "[drill] rank 0" not in p.stderr
     step3 = out / "ckpt" / "step-3"
     assert f"[rank 1] error: checkpoint {step3}: writing failed on rank 1: " in p.stderr
     assert "(this process may write no file over 1,000,000 bytes: ulimit -f)" in p.stderr

@@ -173,3 +173,20 @@ def test_product_files_stay_readable():
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"over {MAX_LINES} lines: {long}"
+
+
+def test_no_product_module_reads_a_fault_switch():
+    """Faults are injected from the test side (tests/inject/drills.py): no product module,
+    cpu_shims included, names a fault-injection variable, so a stray one in a user's
+    environment can never kill a save, limit a file or poison a loss."""
+    from tests.inject.drills import VARIABLES
+
+    switches = {*VARIABLES, "SPECFORGE_KILL", "SPECFORGE_INJECT", "SPECFORGE_STREAM_REPLAY"}
+    files = [REPO / "train.py", *sorted((REPO / "specforge_dspark").rglob("*.py"))]
+    bad = [
+        f"{path.relative_to(REPO)}: {name}"
+        for path in files
+        for name in sorted(switches)
+        if name in path.read_text()
+    ]
+    assert not bad, bad

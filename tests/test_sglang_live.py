@@ -24,6 +24,7 @@ import torch
 
 from specforge_dspark.engines.features import Sample
 from specforge_dspark.training.stream import FeatureStream
+from tests.inject import drills
 from tests.live_sglang import LiveServer, free_port, tiny_sglang_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,7 +112,7 @@ def _train(out: Path, backend: str, *extra: str, wait: bool = True):
         "train.preflight_samples=0",
         f"target.backend={backend}", *extra,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECFORGE_TRAINED_IDS": str(out / "ids")}
+    env = drills.environment({**os.environ, "OMP_NUM_THREADS": "1", drills.IDS: str(out / "ids")})
     (out / "ids").mkdir(parents=True, exist_ok=True)
     log = open(out / "job.log", "w")  # the child keeps its own descriptor
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

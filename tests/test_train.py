@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.inject import drills
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 4
 
@@ -55,7 +57,7 @@ def _train(out: Path, *extra: str, env: dict | None = None, port: int = 29701):
         *overrides,
         *extra,  # after the defaults above, so a test's own overrides win
     ]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = drills.environment({**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600)
 
 
@@ -86,10 +88,11 @@ def runs(tmp_path_factory, tiny_target_dir):
         base / "killed",
         "--resume",
         "none",
-        env={"SPECFORGE_KILL_DURING_SAVE": "3"},
+        env={drills.KILL: "3"},
         port=29712,
     )
     assert killed.returncode != 0
+    assert ": SIGKILL while saving step-3, before its marker" in killed.stderr  # it landed
     return base, full, killed
 
 

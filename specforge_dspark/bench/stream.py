@@ -2,7 +2,7 @@
 
 1. `stream bytes_per_s=<x> memcpy_bytes_per_s=<y> ratio=<x/y>`: x = feature bytes
    (aux + last hidden) per second that one rank receives from its hf worker through the
-   stream with the worker in transport-only mode (SPECFORGE_STREAM_REPLAY=1: after the
+   stream with the worker in transport-only mode (engines.hf.REPLAY_FEATURES: after the
    first forward it re-writes those features into each shared-memory slot instead of
    recomputing), the consumer reading every element once; y = the same bytes copied
    in process (`Tensor.copy_`) and then read once; --transfer-seq-len tokens a batch
@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specforge_dspark.engines import hf
 from specforge_dspark.engines.features import TargetFeatures
 from specforge_dspark.training.stream import FeatureStream
 
@@ -113,11 +114,11 @@ def _bench_transfer(target: str, n: int, seq_len: int, transfer_len: int) -> tup
 
     torch.set_num_threads(1)  # one trainer rank; threads spinning on a busy box skew copy_
     end_to_end = _stream_rate(target, n, seq_len)[0]
-    os.environ["SPECFORGE_STREAM_REPLAY"] = "1"
+    hf.REPLAY_FEATURES = True
     try:
         stream_bps, src = _stream_rate(target, n, transfer_len)
     finally:
-        del os.environ["SPECFORGE_STREAM_REPLAY"]
+        hf.REPLAY_FEATURES = False
     print(f"  end to end (target forward included): {end_to_end:.4g} bytes/s", file=sys.stderr)
     dst = [torch.empty_like(t) for t in src]
     nbytes = sum(t.numel() * t.element_size() for t in src)

@@ -36,6 +36,9 @@ POLL_S = 0.1
 """How often a waiting trainer checks that its worker is still alive."""
 STARTUP_TIMEOUT_S = 600.0
 """Longest a worker may take to import transformers and load the target."""
+REPLAY_FEATURES = False
+"""Benchmark only (`bench stream` sets it around the streams it times, never the trainer):
+after the first forward of a shape, the worker re-writes those features, transport only."""
 
 
 class HFTarget:
@@ -182,8 +185,7 @@ class HFEngine:
             "layer_ids": list(dims.layer_ids),
             "chunk": t.batch_size,
             "threads": worker_threads(world_size),
-            # benchmark only: after the first forward of a shape, re-send its features
-            "replay": os.environ.get("SPECFORGE_STREAM_REPLAY") == "1",
+            "replay": REPLAY_FEATURES,
             "name": f"hf-target-rank{rank}",
         }
         self.rank, self.timeout_s, self._spec = rank, t.timeout_s, spec

@@ -30,7 +30,6 @@ import os
 import random
 import re
 import shutil
-import signal
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -275,35 +274,30 @@ def save(
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     path = step_dir(root, state.step)
-    drill = _storage_drill(state.step, rank)
-    try:
-        failed = _attempt(_fresh_dir, path) if rank == 0 else None
-        _check_written(failed, engine, root, path)
-        failed = _attempt(engine.save_checkpoint, str(root), tag=path.name, save_latest=False)
-        if failed is not None:
-            _barrier()  # the barrier DeepSpeed's save ends with, where the others wait
-        else:
-            rank_state = {"train_state": asdict(state), "rng": rng_state()}
-            rank_file = path / f"rank{rank:05d}_state.pt"
-            failed = _attempt(_atomic_write, rank_file, _to_bytes(rank_state))
-        _fault_drill(state.step)
-        _check_written(failed, engine, root, path)
-        if rank == 0:
-            meta = {
-                "format_version": FORMAT_VERSION,
-                "world_size": world,
-                "recipe_hash": recipe.section_hash(),
-                "recipe": recipe.to_dict(),
-                "fingerprint": fingerprint,
-                **asdict(state),
-            }
-            failed = _attempt(
-                _atomic_write, path / "train_state.json", json.dumps(meta, indent=1).encode()
-            )
-            failed = failed or _attempt(_atomic_write, path / MARKER, b"")
-        _check_written(failed, engine, root, path)
-    finally:
-        drill()
+    failed = _attempt(_fresh_dir, path) if rank == 0 else None
+    _check_written(failed, engine, root, path)
+    failed = _attempt(engine.save_checkpoint, str(root), tag=path.name, save_latest=False)
+    if failed is not None:
+        _barrier()  # the barrier DeepSpeed's save ends with, where the others wait
+    else:
+        rank_state = {"train_state": asdict(state), "rng": rng_state()}
+        rank_file = path / f"rank{rank:05d}_state.pt"
+        failed = _attempt(_atomic_write, rank_file, _to_bytes(rank_state))
+    _check_written(failed, engine, root, path)
+    if rank == 0:
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "world_size": world,
+            "recipe_hash": recipe.section_hash(),
+            "recipe": recipe.to_dict(),
+            "fingerprint": fingerprint,
+            **asdict(state),
+        }
+        failed = _attempt(
+            _atomic_write, path / "train_state.json", json.dumps(meta, indent=1).encode()
+        )
+        failed = failed or _attempt(_atomic_write, path / MARKER, b"")
+    _check_written(failed, engine, root, path)
     if rank == 0:
         prune(root, keep_last)
     _barrier()
@@ -458,33 +452,6 @@ def load(engine, path: Path, recipe: Recipe, fingerprint: dict[str, Any]) -> Tra
     rank_state = torch.load(rank_file, weights_only=False)
     set_rng_state(rank_state["rng"])
     return TrainState(**rank_state["train_state"])
-
-
-def _fault_drill(step: int) -> None:
-    """SPECFORGE_KILL_DURING_SAVE=N: SIGKILL this process while saving step N, after the
-    weights are written and before the marker (a preemption drill for tests and operators)."""
-    if os.environ.get("SPECFORGE_KILL_DURING_SAVE") == str(step):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _storage_drill(step: int, rank: int):
-    """SPECFORGE_CKPT_FSIZE=N:BYTES[@RANK] (a storage-fault drill for tests): while saving
-    step N, this rank (every rank when @RANK is left out) may write no file larger than
-    BYTES (RLIMIT_FSIZE; SIGXFSZ ignored, so a write fails with EFBIG). Returns the undo."""
-    m = re.match(r"^(\d+):(\d+)(@(\d+))?$", os.environ.get("SPECFORGE_CKPT_FSIZE", ""))
-    if m is None or int(m.group(1)) != step or m.group(4) not in (None, str(rank)):
-        return lambda: None
-    import resource
-
-    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
-    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (int(m.group(2)), old_limit[1]))
-
-    def undo() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
-        signal.signal(signal.SIGXFSZ, old_handler)
-
-    return undo
 
 
 def _to_bytes(obj: Any) -> bytes:

@@ -32,17 +32,13 @@ checkpoint of the current state: its weights, optimizer and scheduler are still 
 of the last good step, its data cursor is past the skipped steps (what a periodic save
 of that step holds too, so --resume auto continues as the uninterrupted run would).
 
-Test hook: SPECFORGE_INJECT_NAN="loss:5,features:7,grad:9-,loss:3@1": a NaN loss at
-optimizer step 5, NaN features in every sample of micro-batch 7, NaN gradients from
-step 9 on, a NaN loss at step 3 on rank 1. Steps and micro-batches count from 1; "N-"
-means N onwards, "N-M" N to M; the rank defaults to 0.
+The fault drills inject non-finite values from the test side (tests/inject/drills.py
+wraps `screen` and `check`); nothing here reads a test switch.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,9 +46,6 @@ import torch
 import torch.distributed as dist
 
 from specforge_dspark.engines.features import TargetFeatures
-
-INJECT_ENV = "SPECFORGE_INJECT_NAN"
-_ITEM = re.compile(r"^(loss|features|grad):(\d+)(-(\d*))?(@(\d+))?$")
 
 
 class NonFiniteError(RuntimeError):
@@ -64,42 +57,6 @@ def skip_supported(zero_stage: int, precision: str) -> bool:
     if zero_stage in (1, 2):
         return True
     return zero_stage == 0 and precision == "bf16"
-
-
-@dataclass
-class Injection:
-    """Parsed SPECFORGE_INJECT_NAN for one rank: kind -> [(first, last)] (last 0: open)."""
-
-    ranges: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
-
-    @staticmethod
-    def from_env(rank: int) -> Injection:
-        spec = os.environ.get(INJECT_ENV, "").strip()
-        out = Injection()
-        for item in filter(None, (s.strip() for s in spec.split(","))):
-            m = _ITEM.match(item)
-            if m is None:
-                raise ValueError(f"{INJECT_ENV}: cannot parse {item!r} (kind:N[-[M]][@rank])")
-            first = int(m.group(2))
-            last = first if m.group(3) is None else int(m.group(4) or 0)
-            if int(m.group(6) or 0) == rank:
-                out.ranges.setdefault(m.group(1), []).append((first, last))
-        return out
-
-    def hits(self, kind: str, n: int) -> bool:
-        return any(a <= n and (b == 0 or n <= b) for a, b in self.ranges.get(kind, []))
-
-
-class _NanGrad(torch.autograd.Function):
-    """Identity forward, NaN gradient backward (the `grad` injection)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return torch.full_like(g, float("nan"))
 
 
 def nan_loss(module: torch.nn.Module) -> torch.Tensor:
@@ -122,7 +79,6 @@ class NonFiniteGuard:
         self.max_in_a_row = recipe.train.max_nonfinite_steps
         self.grad_accum = recipe.train.grad_accum
         self.rank, self.device = rank, device
-        self.inject = Injection.from_env(rank)
         self.in_a_row = 0
         self.last_good_step = start_step  # the weights are unchanged since this step
         self._new_window()
@@ -135,23 +91,18 @@ class NonFiniteGuard:
 
     def screen(self, feats, micro_step: int):
         """`feats` with the samples of non-finite features zeroed and unsupervised."""
-        if self.inject.hits("features", micro_step + 1):
-            feats = _with_rows(feats, torch.ones(len(feats.sample_ids), dtype=torch.bool), 1)
         ok = finite_rows(feats).cpu()
         self._trained_here = int(ok.sum())
         if bool(ok.all()):
             return feats
         ids = zip(feats.sample_ids, ok.tolist(), strict=True)
         self.local["features"] += [i for i, good in ids if not good]
-        return _with_rows(feats, ~ok, 0)
+        return _cleared(feats, ~ok)
 
     def check(self, loss: torch.Tensor, sample_ids: list[int], micro_step: int, boundary: bool):
         """Collective. The loss to backpropagate, or None when this step's update is
         skipped (a non-finite loss on some rank now or earlier in the step, or, at the
         boundary, no sample trained on any rank)."""
-        step = micro_step // self.grad_accum + 1
-        if self.inject.hits("loss", step):
-            loss = loss * float("nan")
         bad = not bool(torch.isfinite(loss.detach()).all())
         if bad:
             self.local["loss"] += list(sample_ids)
@@ -164,8 +115,6 @@ class NonFiniteGuard:
         self.dropped += int(flags[2])
         if self.bad_loss or (boundary and self.trained == 0):
             return None
-        if self.inject.hits("grad", step):
-            loss = _NanGrad.apply(loss)
         return loss
 
     def after_step(self, engine, state) -> StepReport:
@@ -240,13 +189,10 @@ class StepReport:
     stop: str | None = None
 
 
-def _with_rows(feats, rows_B: torch.Tensor, mode: int):
-    """A copy of `feats` with rows `rows_B` poisoned (mode 1: a NaN in each) or cleared
-    (mode 0: zero features and loss mask). The stream's slot tensors stay untouched."""
+def _cleared(feats, rows_B: torch.Tensor):
+    """A copy of `feats` with rows `rows_B` cleared (zero features and loss mask). The
+    stream's slot tensors stay untouched."""
     rows = rows_B.to(feats.aux_hidden.device)
     aux, last, mask = feats.aux_hidden.clone(), feats.last_hidden.clone(), feats.loss_mask.clone()
-    if mode:
-        aux[rows, 0, 0] = float("nan")
-    else:
-        aux[rows], last[rows], mask[rows.to(mask.device)] = 0, 0, 0
+    aux[rows], last[rows], mask[rows.to(mask.device)] = 0, 0, 0
     return TargetFeatures(list(feats.sample_ids), feats.input_ids, mask, feats.lengths, aux, last)
