@@ -19,16 +19,21 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def calibrated_export(trained_export, tiny_qwen3_dir, tmp_path_factory) -> Path:
-    """The trained export with sts_calibration.json (evaluation/calibrate.py) inside."""
+    """A copy of the trained export with sts_calibration.json (evaluation/calibrate.py)
+    inside: calibration rewrites the confidence bias, and the shared session export must
+    stay as trained (the vLLM judge compares it with its speculators twin)."""
+    import shutil
+
     from specforge_dspark.decoding.calibration import calibrate_export
 
     out = tmp_path_factory.mktemp("calibration")
+    export = shutil.copytree(trained_export, out / "export")
     calibrate_export(
-        tiny_qwen3_dir, trained_export, ["gsm8k"], num_prompts=3, max_new_tokens=32,
-        out_dir=out, log=lambda *a: None,
+        tiny_qwen3_dir, export, ["gsm8k"], num_prompts=3, max_new_tokens=32,
+        out_dir=out / "report", log=lambda *a: None,
     )  # fmt: skip
-    assert (trained_export / "sts_calibration.json").is_file()
-    return trained_export
+    assert (export / "sts_calibration.json").is_file()
+    return export
 
 
 @pytest.mark.slow
