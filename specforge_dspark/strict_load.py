@@ -16,6 +16,9 @@ from typing import Any, Literal
 
 import yaml
 
+_BOOL_WORDS = {True: ("on", "yes", "true"), False: ("off", "no", "false")}
+"""The words YAML 1.1 turns into each boolean, for a Literal of words."""
+
 
 def apply_override(raw: dict, item: str, errors: list[str]) -> None:
     """Set `key.sub=value` in the nested mapping `raw` (the value parsed as YAML)."""
@@ -70,6 +73,9 @@ def _coerce(tp: Any, value: Any, path: str, errors: list[str]) -> Any:
         inner = [a for a in args if a is not type(None)]
         return _coerce(inner[0], value, path, errors)
     if origin is Literal:
+        if isinstance(value, bool) and all(isinstance(a, str) for a in args):
+            # YAML 1.1 reads on/off, yes/no, true/false as booleans: take the word back
+            value = next((w for w in _BOOL_WORDS[value] if w in args), value)
         if value not in args:
             errors.append(f"{path}: {value!r} is not one of {list(args)}")
             return args[0]

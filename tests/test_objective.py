@@ -469,7 +469,8 @@ def test_one_backward_fires_each_parameter_hook_once_and_saves_nothing_vocab_siz
             saved_shapes.append(tuple(t.shape))
         return t
 
-    obj = ObjectiveRecipe(**{**OBJ.__dict__, "chunk_size": 2})
+    # decoder chunks checkpointed: its saved masks [.., S + Q] would read as L-sized here
+    obj = ObjectiveRecipe(**{**OBJ.__dict__, "chunk_size": 2, "decode_chunk_size": 2})
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = compute_loss_at(
             draft, head, **batch, anchors_BN=anchors[0], block_valid_BN=anchors[1], obj=obj

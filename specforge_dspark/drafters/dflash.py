@@ -66,9 +66,11 @@ from specforge_dspark.drafters.io import (
     sglang_config,
 )
 from specforge_dspark.drafters.layers import (
+    ContextKV,
     DecoderLayer,
     RMSNorm,
     build_visibility_mask,
+    context_kv,
     decode_blocks,
 )
 
@@ -227,6 +229,21 @@ class DFlashDraft(nn.Module):
         window = cfg.sliding_window if "sliding_attention" in cfg.layer_types else 0
         return build_dflash_masks(anchors_BN, block_valid_BN, ctx_valid_BS, cfg.block_size, window)
 
+    def context_kv(self, ctx_BSH: torch.Tensor, ctx_pos_BS: torch.Tensor) -> ContextKV:
+        """Each layer's context keys and values (`layers.context_kv`), for `decode`."""
+        return context_kv(self, ctx_BSH, ctx_pos_BS)
+
+    def decode(
+        self,
+        kv_ctx: ContextKV,
+        block_emb_BNGH: torch.Tensor,
+        block_pos_BNG: torch.Tensor,
+        masks: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """Final-normed hidden states `[B, N, G, H]` of every block row over the context
+        of `kv_ctx` (`forward`'s other arguments)."""
+        return decode_blocks(self, kv_ctx, block_emb_BNGH, block_pos_BNG, masks)
+
     def forward(
         self,
         ctx_BSH: torch.Tensor,
@@ -237,7 +254,8 @@ class DFlashDraft(nn.Module):
     ) -> torch.Tensor:
         """Final-normed hidden states `[B, N, G, H]` of every block row (row 0 included);
         `masks` from `self.masks`. A query with no visible key gets attention output 0."""
-        return decode_blocks(self, ctx_BSH, ctx_pos_BS, block_emb_BNGH, block_pos_BNG, masks)
+        kv_ctx = self.context_kv(ctx_BSH, ctx_pos_BS)
+        return self.decode(kv_ctx, block_emb_BNGH, block_pos_BNG, masks)
 
     def apply_heads(
         self, h_BNGH: torch.Tensor, base_logits_BNGV: torch.Tensor, prev_BNG: torch.Tensor

@@ -63,10 +63,12 @@ from specforge_dspark.drafters.io import (
 )
 from specforge_dspark.drafters.layers import (
     ConfidenceHead,
+    ContextKV,
     DecoderLayer,
     MarkovHead,
     RMSNorm,
     build_visibility_mask,
+    context_kv,
     decode_blocks,
 )
 
@@ -221,6 +223,22 @@ class DSparkDraft(nn.Module):
         """Shared context features `[B, S, H]` = hidden_norm(fc(aux)), D = m*H."""
         return context_features(self.fc, self.hidden_norm, aux_hidden_BSD)
 
+    def context_kv(self, ctx_BSH: torch.Tensor, ctx_pos_BS: torch.Tensor) -> ContextKV:
+        """Each layer's context keys and values (`layers.context_kv`), for `decode`."""
+        return context_kv(self, ctx_BSH, ctx_pos_BS)
+
+    def decode(
+        self,
+        kv_ctx: ContextKV,
+        block_emb_BNGH: torch.Tensor,
+        block_pos_BNG: torch.Tensor,
+        visible_BQK: torch.Tensor,
+    ) -> torch.Tensor:
+        """Final-normed hidden states `[B, N, G, H]` of the block queries over the context
+        of `kv_ctx` (`forward`'s other arguments)."""
+        masks = {"full_attention": visible_BQK}
+        return decode_blocks(self, kv_ctx, block_emb_BNGH, block_pos_BNG, masks)
+
     def forward(
         self,
         ctx_BSH: torch.Tensor,
@@ -235,8 +253,8 @@ class DSparkDraft(nn.Module):
         context positions then the N*G block positions; `visible_BQK` from
         `build_visibility_mask`. A query with no visible key gets attention output 0.
         """
-        masks = {"full_attention": visible_BQK}
-        return decode_blocks(self, ctx_BSH, ctx_pos_BS, block_emb_BNGH, block_pos_BNG, masks)
+        kv_ctx = self.context_kv(ctx_BSH, ctx_pos_BS)
+        return self.decode(kv_ctx, block_emb_BNGH, block_pos_BNG, visible_BQK)
 
     def apply_heads(
         self, h_BNGH: torch.Tensor, base_logits_BNGV: torch.Tensor, prev_BNG: torch.Tensor

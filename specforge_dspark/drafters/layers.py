@@ -1,5 +1,7 @@
 """Building blocks shared by the drafter networks (torch only): `dspark.py` and `dflash.py`
-assemble them; `decode_blocks` is the one decoder pass both run.
+assemble them; `context_kv` (the context's keys and values, once per layer) then
+`decode_blocks` (any number of times, one per chunk of blocks) is the one decoder pass
+both run.
 
 Each block matches the SGLang 0.5.23 module it is served by (see dspark.py's docstring
 for the files checked). The layers read their sizes from any object with the attributes
@@ -91,31 +93,33 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(E, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(E, cfg.rms_norm_eps)
 
-    def _keys_values(self, x_BTH: torch.Tensor, rope: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    def keys_values(self, x_BTH: torch.Tensor, rope: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values `[B, A, T, E]` of rows x (k_proj -> k_norm -> RoPE; v_proj), the
+        KV heads repeated for their query heads (head h uses KV head h // (A / C)): the
+        layout SDPA takes, which keeps its fused kernels eligible."""
         B, T, _ = x_BTH.shape
         k_BTCE = apply_rope(self.k_norm(self.k_proj(x_BTH).view(B, T, -1, self.head_dim)), *rope)
-        return k_BTCE, self.v_proj(x_BTH).view(B, T, -1, self.head_dim)
+        v_BTCE = self.v_proj(x_BTH).view(B, T, -1, self.head_dim)
+        group = self.heads // self.kv_heads
+        return tuple(x.transpose(1, 2).repeat_interleave(group, 1) for x in (k_BTCE, v_BTCE))
 
     def forward(
         self,
         x_BQH: torch.Tensor,
-        ctx_BSH: torch.Tensor,
-        rope_ctx: tuple,
+        kv_ctx: tuple[torch.Tensor, torch.Tensor],
         rope_blk: tuple,
         visible_B1QK: torch.Tensor,
         empty_B1Q1: torch.Tensor,
     ) -> torch.Tensor:
+        """kv_ctx: this layer's context keys and values `[B, A, S, E]` (`keys_values` of the
+        context, computed once for every chunk of blocks)."""
         B, Q, _ = x_BQH.shape
         q_BQAE = apply_rope(
             self.q_norm(self.q_proj(x_BQH).view(B, Q, -1, self.head_dim)), *rope_blk
         )
-        k_ctx, v_ctx = self._keys_values(ctx_BSH, rope_ctx)
-        k_blk, v_blk = self._keys_values(x_BQH, rope_blk)
-        group = self.heads // self.kv_heads
-        # [B, A, K, E]: the KV heads repeated for their query heads (h uses h // group),
-        # small next to the [Q, K] mask, and it keeps the fused SDPA kernels eligible.
-        k_BAKE = torch.cat((k_ctx, k_blk), 1).transpose(1, 2).repeat_interleave(group, 1)
-        v_BAKE = torch.cat((v_ctx, v_blk), 1).transpose(1, 2).repeat_interleave(group, 1)
+        k_blk, v_blk = self.keys_values(x_BQH, rope_blk)
+        k_BAKE = torch.cat((kv_ctx[0], k_blk), 2)
+        v_BAKE = torch.cat((kv_ctx[1], v_blk), 2)
         o_BAQE = F.scaled_dot_product_attention(
             q_BQAE.transpose(1, 2), k_BAKE, v_BAKE, attn_mask=visible_B1QK
         )
@@ -142,9 +146,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x_BQH: torch.Tensor, ctx_BSH: torch.Tensor, *attn_args) -> torch.Tensor:
-        # The context enters k_proj/v_proj as it is: SGLang's KV injection skips input_layernorm.
-        x_BQH = x_BQH + self.self_attn(self.input_layernorm(x_BQH), ctx_BSH, *attn_args)
+    def forward(self, x_BQH: torch.Tensor, kv_ctx: tuple, *attn_args) -> torch.Tensor:
+        x_BQH = x_BQH + self.self_attn(self.input_layernorm(x_BQH), kv_ctx, *attn_args)
         return x_BQH + self.mlp(self.post_attention_layernorm(x_BQH))
 
 
@@ -175,34 +178,50 @@ def build_visibility_mask(
 
 
 class Decoder(Protocol):
-    """What `decode_blocks` reads from a drafter network (SGLang's weight names)."""
+    """What `context_kv` and `decode_blocks` read from a drafter network (SGLang's weight
+    names)."""
 
     config: DecoderConfig
     layers: nn.ModuleList
     norm: RMSNorm
 
 
+ContextKV = list[tuple[torch.Tensor, torch.Tensor]]
+"""Per draft layer, the context's keys and values `[B, A, S, E]` (`context_kv`)."""
+
+
+def context_kv(drafter: Decoder, ctx_BSH: torch.Tensor, ctx_pos_BS: torch.Tensor) -> ContextKV:
+    """Each layer's keys and values of the S context positions, computed once for all the
+    blocks decoded over this context: the layer's k_proj / v_proj applied to the context
+    features as they are (SGLang's KV injection skips input_layernorm), then k_norm, then
+    RoPE at `ctx_pos_BS`. Differentiable: gradients reach k_proj, v_proj, k_norm and,
+    through ctx_BSH, the context features' fc and hidden_norm."""
+    cfg, dtype = drafter.config, drafter.norm.weight.dtype
+    rope_ctx = rope_tables(ctx_pos_BS, cfg.head_dim, cfg.rope_theta, dtype)
+    ctx_BSH = ctx_BSH.to(dtype)
+    return [layer.self_attn.keys_values(ctx_BSH, rope_ctx) for layer in drafter.layers]
+
+
 def decode_blocks(
     drafter: Decoder,
-    ctx_BSH: torch.Tensor,
-    ctx_pos_BS: torch.Tensor,
+    kv_ctx: ContextKV,
     block_emb_BNGH: torch.Tensor,
     block_pos_BNG: torch.Tensor,
     masks: dict[str, torch.Tensor],
 ) -> torch.Tensor:
-    """The decoder pass of a drafter (its `layers`, then its final `norm`): final-normed
-    hidden states `[B, N, G, H]` of every block row.
+    """The decoder pass of a drafter over blocks (its `layers`, then its final `norm`):
+    final-normed hidden states `[B, N, G, H]` of every block row.
 
-    block_emb: frozen target embeddings of the block tokens; keys are the S context
-    positions then the N*G block positions. Layer i attends with
-    `masks[drafter.config.layer_types[i]]` (bool `[B, Q, K]`, True = visible). A query with
-    no visible key gets attention output 0.
+    kv_ctx: `context_kv` of the context these blocks attend to (any chunk of the blocks
+    over one context reuses it); block_emb: frozen target embeddings of the block tokens;
+    keys are the S context positions then the N*G block positions. Layer i attends with
+    `masks[drafter.config.layer_types[i]]` (bool `[B, Q, K]`, True = visible). A query
+    with no visible key gets attention output 0.
     """
     B, N, G, H = block_emb_BNGH.shape
-    S, Q = ctx_BSH.shape[1], N * G
+    S, Q = kv_ctx[0][0].shape[2], N * G
     cfg, norm = drafter.config, drafter.norm
     dtype = norm.weight.dtype
-    rope_ctx = rope_tables(ctx_pos_BS, cfg.head_dim, cfg.rope_theta, dtype)
     rope_blk = rope_tables(block_pos_BNG.reshape(B, Q), cfg.head_dim, cfg.rope_theta, dtype)
     args = {}
     for kind, visible_BQK in masks.items():
@@ -215,11 +234,10 @@ def decode_blocks(
         # SDPA turns a row with no visible key into NaN: give it key 0, zero its output.
         visible_BQK = visible_BQK.clone()
         visible_BQK[..., 0] |= empty_BQ
-        args[kind] = (rope_ctx, rope_blk, visible_BQK[:, None], empty_BQ[:, None, :, None])
-    ctx_BSH = ctx_BSH.to(dtype)
+        args[kind] = (rope_blk, visible_BQK[:, None], empty_BQ[:, None, :, None])
     x_BQH = block_emb_BNGH.reshape(B, Q, H).to(dtype)
-    for layer, kind in zip(drafter.layers, cfg.layer_types, strict=True):
-        x_BQH = layer(x_BQH, ctx_BSH, *args[kind])
+    for layer, kv, kind in zip(drafter.layers, kv_ctx, cfg.layer_types, strict=True):
+        x_BQH = layer(x_BQH, kv, *args[kind])
     return norm(x_BQH).view(B, N, G, H)
 
 

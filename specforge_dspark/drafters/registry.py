@@ -2,10 +2,11 @@
 
 A new kind is a network module beside dspark.py / dflash.py (config dataclass with
 `from_recipe` / `from_dict` / `to_dict`; network with `from_pretrained` /
-`save_pretrained`, `context`, `masks`, `num_drafts`, `apply_heads` and `propose`, which
-is all that objective/loss.py and decoding/spec_decode.py call) and one line here; its
-loss is objective/loss.py's `compute_loss` unless the kind needs its own. Nothing under
-drafters/ or objective/ imports this module.
+`save_pretrained`, `context`, `context_kv`, `decode`, `masks`, `num_drafts`,
+`apply_heads` and `propose`, which is all that objective/loss.py and
+decoding/spec_decode.py call) and one line here; its loss is objective/loss.py's
+`compute_loss` unless the kind needs its own. Nothing under drafters/ or objective/
+imports this module.
 """
 
 from __future__ import annotations

@@ -132,28 +132,31 @@ def compute_loss_at(
         dist.all_reduce(weight_sum, group=group)
     coef_BNG = bl.weight_BNG * (world / weight_sum.clamp_min(1e-12))
 
-    # Decoder: context features once, then the blocks of about `chunk` blocks at a time,
-    # checkpointed when there is more than one chunk.
+    # Decoder: context features and each layer's context keys and values once, then the
+    # blocks about `obj.decode_chunk_size` blocks at a time over them, each chunk
+    # checkpointed when recomputing (the context K/V are its inputs: not recomputed).
     ctx_BSH = draft.context(aux_hidden_BSD)
     ctx_pos_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
     ctx_valid_BS = torch.ones_like(loss_mask_BS, dtype=torch.bool)
+    kv_ctx = draft.context_kv(ctx_BSH, ctx_pos_BS)
     with torch.no_grad():
         emb_BNRH = head.embed(ids_BNR).to(ctx_BSH.dtype)
 
-    def decode(ctx: Tensor, lo: int, hi: int) -> Tensor:
+    def decode(lo: int, hi: int, *kv_flat: Tensor) -> Tensor:
         mask = draft.masks(anchors_BN[:, lo:hi], block_valid_BN[:, lo:hi], ctx_valid_BS)
-        h_BnRH = draft(ctx, ctx_pos_BS, emb_BNRH[:, lo:hi], pos_BNR[:, lo:hi], mask)
+        kv = list(zip(kv_flat[::2], kv_flat[1::2], strict=True))
+        h_BnRH = draft.decode(kv, emb_BNRH[:, lo:hi], pos_BNR[:, lo:hi], mask)
         return h_BnRH[:, :, R - G :]  # the drafting rows
 
     need_grads = torch.is_grad_enabled() and ctx_BSH.requires_grad
-    cols = max(chunk // B, 1)
-    spans = [(lo, min(lo + cols, N)) for lo in range(0, N, cols)]
-    if len(spans) > 1 and need_grads:
+    spans = decoder_spans(N, B, obj.decode_chunk_size)
+    kv_flat = [t for kv in kv_ctx for t in kv]
+    if need_grads and recomputes(obj, len(spans)):
         h_BNGH = torch.cat(
-            [checkpoint(decode, ctx_BSH, lo, hi, use_reentrant=False) for lo, hi in spans], 1
+            [checkpoint(decode, lo, hi, *kv_flat, use_reentrant=False) for lo, hi in spans], 1
         )
     else:
-        h_BNGH = torch.cat([decode(ctx_BSH, lo, hi) for lo, hi in spans], 1)
+        h_BNGH = torch.cat([decode(lo, hi, *kv_flat) for lo, hi in spans], 1)
 
     with torch.no_grad():
         idx_BX = bl.teacher_idx_BNG.reshape(B, -1)
@@ -175,3 +178,19 @@ def compute_loss_at(
     stats_6BNG = stats_6XG.view(6, B, N, G)
     metrics = pooled_metrics(stats_6BNG, bl, obj, weight_sum, skipped, pooled, group)
     return LossOutput(loss=loss, metrics=metrics)
+
+
+def decoder_spans(N: int, B: int, decode_chunk_size: int) -> list[tuple[int, int]]:
+    """Column ranges [lo, hi) of the [B, N] blocks decoded together: about
+    `decode_chunk_size` blocks (at least one column) each; 0 = all N columns at once."""
+    cols = N if decode_chunk_size <= 0 else max(decode_chunk_size // B, 1)
+    return [(lo, min(lo + cols, N)) for lo in range(0, N, max(cols, 1))]
+
+
+def recomputes(obj: ObjectiveRecipe, num_chunks: int) -> bool:
+    """Whether the decoder chunks are checkpointed: `objective.recompute` as resolved by
+    `training.memory.resolve_recompute`; "auto" unresolved keeps the rule of old, on when
+    there is more than one chunk."""
+    if obj.recompute == "auto":
+        return num_chunks > 1
+    return obj.recompute == "on"

@@ -45,10 +45,12 @@ Memory
   forward computes each chunk's loss and, analytically, the gradient wrt the logits and
   the confidence logit, then pulls those back to h and the head parameters with
   `torch.autograd.grad`. Only gradients of size [B, N, G, H] and of the head parameters
-  are kept; nothing vocab-sized is stored or recomputed. The decoder runs over the same
-  chunks under activation checkpointing when there is more than one (recomputing it costs
-  a few percent). One `loss.backward()` by the trainer delivers every gradient through
-  ordinary autograd.
+  are kept; nothing vocab-sized is stored or recomputed. The decoder (objective/loss.py)
+  computes each layer's context keys and values once per micro-step, then runs the blocks
+  in chunks of its own (objective.decode_chunk_size), checkpointed when
+  objective.recompute is on (the context K/V, their inputs, are not recomputed); auto is
+  resolved from the memory estimate by `training/memory.py`. One `loss.backward()` by the
+  trainer delivers every gradient through ordinary autograd.
 """
 
 from __future__ import annotations

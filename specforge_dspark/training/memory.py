@@ -1,4 +1,5 @@
-"""Per-rank memory of a training run, estimated from shapes alone (`train.py --dry-run`).
+"""Per-rank memory of a training run, estimated from shapes alone (`train.py --dry-run`),
+and the `objective.recompute: auto` decision made from it.
 
 Estimates, not measurements: they count the big tensors the code holds and ignore
 allocator slack, CUDA context and kernel workspaces. Per rank, with W data-parallel ranks:
@@ -8,19 +9,39 @@ allocator slack, CUDA context and kernel workspaces. Per rank, with W data-paral
 - optimizer: AdamW m and v in fp32 (8 bytes) plus the fp32 master copy when computing in
   bf16 (4 bytes), / W under ZeRO >= 1.
 - activations of one micro-batch (mb sequences of S tokens, N anchors, blocks of G rows
-  of which P are drafted: P = G for DSpark, G - 1 for DFlash; C blocks per chunk):
-  features (aux m*H + last H per token, target dtype); context (fc output and its norm);
-  h of every block and its gradient (2 * mb*N*G*H); ONE decoder chunk recomputed under
-  checkpointing (per layer ~ (8H + 3F) per query row and 4 * kv_heads * head_dim per
-  context row, plus a bool mask [C*G, S + C*G] per attention type); ONE vocab chunk
+  of which P are drafted: P = G for DSpark, G - 1 for DFlash; Cd blocks per decoder chunk,
+  C per vocab chunk): features (aux m*H + last H per token, target dtype); context (fc
+  output and its norm); every layer's context K/V, computed once and kept for the
+  micro-step (~ 2 * heads * head_dim + 6 * kv_heads * head_dim per context row); h of
+  every block and its gradient (2 * mb*N*G*H); the decoder: per chunk and layer
+  ~ (8H + 3F) per query row, that chunk's keys and values (2 * heads * head_dim per key)
+  and a bool mask [Cd*G, S + Cd*G] per attention type; ONE chunk when recomputing
+  (checkpointed chunks keep only their inputs), EVERY chunk when not; ONE vocab chunk
   (~4 fp32 tensors of C*P*V: draft logits, teacher, softmax, gradient).
+
+`objective.recompute: auto` is off when the whole estimate with every decoder chunk kept
+fits in FIT_FRACTION of the device's memory (`available_bytes`), else on
+(`recompute_choice`; `resolve_recompute` applies it to a recipe before training).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import math
+from typing import TYPE_CHECKING
+
 from specforge_dspark.recipe import Recipe
 
+if TYPE_CHECKING:
+    from torch import nn
+
 GB = 1e9
+FIT_FRACTION = 0.8
+"""Share of the device's memory the estimate may use with recompute off (the rest is
+slack for what the estimate ignores)."""
+
+log = logging.getLogger(__name__)
 
 
 def compute_bytes(recipe: Recipe) -> int:
@@ -31,26 +52,33 @@ def compute_bytes(recipe: Recipe) -> int:
     return 2 if precision == "bf16" else 4
 
 
-def estimate(recipe: Recipe, trainable_params: int, world: int) -> dict[str, float]:
-    """Bytes per rank by component (module docstring); keys in print order."""
+def estimate(
+    recipe: Recipe, trainable_params: int, world: int, recompute: bool = True
+) -> dict[str, float]:
+    """Bytes per rank by component (module docstring); keys in print order. `recompute`:
+    decoder chunks checkpointed (one chunk's activations live) or not (all of them)."""
     d, o, n = recipe.draft, recipe.objective, trainable_params
     H, V, F = d.hidden_size, d.vocab_size, d.intermediate_size
     b_t = 2 if recipe.target.dtype == "bfloat16" else 4
     b_p = compute_bytes(recipe)
     mb, S, N, G = recipe.train.micro_batch_size, recipe.data.max_length, o.num_anchors, d.block_size
     P = G - 1 if d.kind == "dflash" else G
-    X = mb * N
+    X, L = mb * N, d.num_hidden_layers
     C = X if o.chunk_size <= 0 else min(o.chunk_size, X)
-    rows = C * G
-    kv = d.num_key_value_heads * d.head_dim
+    cols = N if o.decode_chunk_size <= 0 else min(max(o.decode_chunk_size // mb, 1), N)
+    rows, kept = mb * cols * G, 1 if recompute else math.ceil(N / cols)  # per decoder chunk
+    kv, qe = d.num_key_value_heads * d.head_dim, d.num_attention_heads * d.head_dim
     mask_kinds = len(set(d.layer_types)) or 1
     zero = recipe.dist.zero_stage
+    decoder_chunk = L * (
+        rows * (8 * H + 3 * F) + 2 * mb * (S + rows) * qe
+    ) * b_p + mask_kinds * mb * rows * (S + rows)
     acts = {
         "features": mb * S * (len(d.target_layer_ids) + 1) * H * b_t,
         "context": 2 * mb * S * H * b_p,
+        "context K/V": L * mb * S * (2 * qe + 6 * kv) * b_p,
         "block hidden + grad": 2 * X * G * H * b_p,
-        "decoder chunk": d.num_hidden_layers * (rows * (8 * H + 3 * F) + 4 * mb * S * kv) * b_p
-        + mask_kinds * mb * rows * (S + rows),
+        DECODER[recompute]: kept * decoder_chunk,
         "vocab chunk": 4 * C * P * V * 4,
     }
     return {
@@ -63,10 +91,77 @@ def estimate(recipe: Recipe, trainable_params: int, world: int) -> dict[str, flo
     }
 
 
-def report(recipe: Recipe, trainable_params: int, world: int) -> list[str]:
+DECODER = {True: "decoder (1 chunk)", False: "decoder (all chunks)"}
+"""The decoder's activation entry of `estimate`, by recompute."""
+
+
+def total_bytes(est: dict[str, float]) -> float:
+    """Sum of an `estimate` (its per-activation detail entries left out)."""
+    return sum(v for k, v in est.items() if not k.startswith("activations: "))
+
+
+def recompute_choice(
+    recipe: Recipe, trainable_params: int, world: int, available: int | None
+) -> tuple[bool, str]:
+    """Whether to recompute the decoder's activations, and the dry-run line saying why.
+
+    objective.recompute on / off are kept; auto is off when the estimate with every
+    decoder chunk kept fits in FIT_FRACTION of `available` bytes (`available_bytes`;
+    None = unknown, then on)."""
+    mode = recipe.objective.recompute
+    if mode != "auto":
+        return mode == "on", f"activation recompute: {mode} (objective.recompute: {mode})"
+    est = estimate(recipe, trainable_params, world, recompute=False)
+    decoder, total = est[f"activations: {DECODER[False]}"], total_bytes(est)
+    if available is None:
+        return True, "activation recompute: on (auto: the device's memory is unknown here)"
+    said = (
+        f"decoder activations {_size(decoder)}, estimated total {_size(total)}, "
+        f"{_size(available)} available"
+    )
+    if total <= FIT_FRACTION * available:
+        return False, f"activation recompute: off (auto: {said}: fits)"
+    return True, f"activation recompute: on (auto: {said}: over {FIT_FRACTION:.0%} of it)"
+
+
+def _size(n: float) -> str:
+    return f"{n / GB:.1f} GB" if n >= GB else f"{n / 1e6:.0f} MB"
+
+
+def available_bytes(device: str) -> int | None:
+    """Memory a run on `device` may use: the GPU's total memory for cuda, MemAvailable of
+    /proc/meminfo for the CPU; None when it cannot be known here."""
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        index = torch.device(device).index
+        return torch.cuda.get_device_properties(index or 0).total_memory
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def resolve_recompute(
+    recipe: Recipe, draft: nn.Module, world: int, device: object, say=log.info
+) -> Recipe:
+    """The recipe with objective.recompute "on" or "off" (`recompute_choice` for `draft`'s
+    trainable parameters on `device`), for the objective of a run; `say` gets the reason."""
+    n = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    on, why = recompute_choice(recipe, n, world, available_bytes(str(device)))
+    say(why)
+    objective = dataclasses.replace(recipe.objective, recompute="on" if on else "off")
+    return dataclasses.replace(recipe, objective=objective)
+
+
+def report(recipe: Recipe, trainable_params: int, world: int, recompute: bool = True) -> list[str]:
     """Printable lines of `estimate` (GB = 1e9 bytes; MB for runs under 1 GB)."""
-    est = estimate(recipe, trainable_params, world)
-    total = sum(v for k, v in est.items() if not k.startswith("activations: "))
+    est = estimate(recipe, trainable_params, world, recompute)
+    total = total_bytes(est)
     scale, unit = (GB, "GB") if total >= GB else (1e6, "MB")
     lines = [
         f"memory per rank (estimate from shapes; {world} rank(s), ZeRO-{recipe.dist.zero_stage}, "
@@ -108,9 +203,12 @@ def dry_run_summary(recipe: Recipe, world: int = 1) -> list[str]:
     o = recipe.objective
     lines.append(
         f"objective: {o.ce_weight} CE + {o.l1_weight} L1 + {o.bce_weight} BCE, "
-        f"{o.num_anchors} anchors, gamma {o.gamma}, chunk {o.chunk_size}"
+        f"{o.num_anchors} anchors, gamma {o.gamma}, chunk {o.chunk_size}, "
+        f"decoder chunk {o.decode_chunk_size}"
     )
     lines.append(f"target backend: {recipe.target.backend} ({recipe.target.path})")
-    lines += report(recipe, n, world)
+    recompute, why = recompute_choice(recipe, n, world, available_bytes(recipe.target.device))
+    lines.append(why)
+    lines += report(recipe, n, world, recompute)
     lines.append(f"trainable_params: {n}")
     return lines
