@@ -93,53 +93,57 @@ def test_hooked_sglang_code_has_the_expected_signatures():
     assert HookType.AROUND.value == "around" and GENERAL_PLUGINS_GROUP == "sglang.srt.plugins"
 
 
-def test_registered_hook_wraps_the_real_method():
+def test_registered_hook_wraps_the_real_method(monkeypatch):
     from sglang.srt.managers.scheduler_components.batch_result_processor import (
         SchedulerBatchResultProcessor as Processor,
     )
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
     from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.runtime_context import get_parallel
 
     original = Processor.__dict__["_append_prefill_hidden_states"]
     HookRegistry.reset()
+    monkeypatch.setattr(plugin, "_in_sglang", False)  # register() sets it; restored after
     plugin.register()
     HookRegistry.apply_hooks()
     slot = ShmSlot("hooktest", aux_width=6, hidden=2, dtype=torch.float32)
-    try:
-        assert Processor._append_prefill_hidden_states.__wrapped__ is original
-        out = SimpleNamespace(
-            hidden_states=torch.arange(30.0).view(5, 6), last_hidden_states=-torch.ones(5, 2)
-        )
-        theirs = SimpleNamespace(rid="user", return_hidden_states=True, hidden_states=[])
-        end = Processor._append_prefill_hidden_states(
-            None,
-            req=theirs,
-            logits_output=out,
-            hidden_state_offset=0,
-            capture_hidden_mode=CaptureHiddenMode.FULL,
-            extend_input_len=2,
-        )
-        assert end == 2 and theirs.hidden_states == [out.hidden_states[:2].tolist()]
+    # the ranks a one-GPU server publishes (this process publishes none)
+    with get_parallel().override(attn_tp_rank=0, attn_tp_size=1, attn_cp_rank=0):
+        try:
+            assert Processor._append_prefill_hidden_states.__wrapped__ is original
+            out = SimpleNamespace(
+                hidden_states=torch.arange(30.0).view(5, 6), last_hidden_states=-torch.ones(5, 2)
+            )
+            theirs = SimpleNamespace(rid="user", return_hidden_states=True, hidden_states=[])
+            end = Processor._append_prefill_hidden_states(
+                None,
+                req=theirs,
+                logits_output=out,
+                hidden_state_offset=0,
+                capture_hidden_mode=CaptureHiddenMode.FULL,
+                extend_input_len=2,
+            )
+            assert end == 2 and theirs.hidden_states == [out.hidden_states[:2].tolist()]
 
-        views = slot.prepare(1, 3)
-        lay = slot.layout
-        slot.write_ticket(
-            0, Ticket(0, 3, 0, lay.aux_off, lay.last_off, 6, 2, DTYPE_CODES[torch.float32])
-        )
-        ours = SimpleNamespace(rid=plugin.make_rid("n", 0, str(slot.path)), hidden_states=[])
-        end = Processor._append_prefill_hidden_states(
-            None,
-            req=ours,
-            logits_output=out,
-            hidden_state_offset=2,
-            capture_hidden_mode=CaptureHiddenMode.FULL,
-            extend_input_len=3,
-        )
-        assert end == 5 and ours.hidden_states == []  # no JSON lists for ours
-        assert slot.read_ticket(0).status == DONE
-        assert torch.equal(views.aux_hidden[0], out.hidden_states[2:5])
-        assert torch.equal(views.last_hidden[0], out.last_hidden_states[2:5])
-    finally:
-        Processor._append_prefill_hidden_states = original
-        HookRegistry.reset()
-        slot.close()
+            views = slot.prepare(1, 3)
+            lay = slot.layout
+            slot.write_ticket(
+                0, Ticket(0, 3, 0, lay.aux_off, lay.last_off, 6, 2, DTYPE_CODES[torch.float32])
+            )
+            ours = SimpleNamespace(rid=plugin.make_rid("n", 0, str(slot.path)), hidden_states=[])
+            end = Processor._append_prefill_hidden_states(
+                None,
+                req=ours,
+                logits_output=out,
+                hidden_state_offset=2,
+                capture_hidden_mode=CaptureHiddenMode.FULL,
+                extend_input_len=3,
+            )
+            assert end == 5 and ours.hidden_states == []  # no JSON lists for ours
+            assert slot.read_ticket(0).status == DONE
+            assert torch.equal(views.aux_hidden[0], out.hidden_states[2:5])
+            assert torch.equal(views.last_hidden[0], out.last_hidden_states[2:5])
+        finally:
+            Processor._append_prefill_hidden_states = original
+            HookRegistry.reset()
+            slot.close()

@@ -44,6 +44,8 @@ from typing import Any, Literal
 
 import torch
 
+from specforge_dspark.engines.shm import note_read
+
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -85,8 +87,19 @@ class TargetFeatures:
     lengths: torch.Tensor  # [B] int64, unpadded lengths
     aux_hidden: torch.Tensor  # [B, S, m*H]
     last_hidden: torch.Tensor  # [B, S, H]
+    copy_done: torch.cuda.Event | None = None  # set by `to` on a host -> GPU copy
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> TargetFeatures:
+        """These features on `device`. Host -> GPU (CUDA present) is asynchronous whatever
+        `non_blocking` says: the copies run on a side stream, the current stream waits on
+        their event (the result's `copy_done`) and the pinned slot they read is not
+        rewritten before they are done (shm.note_read). Otherwise `Tensor.to` as asked."""
+        if (
+            torch.device(device).type == "cuda"
+            and self.aux_hidden.device.type == "cpu"
+            and torch.cuda.is_available()
+        ):
+            return _to_gpu(self, torch.device(device))
         move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
         return TargetFeatures(
             list(self.sample_ids),
@@ -96,6 +109,27 @@ class TargetFeatures:
             move(self.aux_hidden),
             move(self.last_hidden),
         )
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _to_gpu(f: TargetFeatures, device: torch.device) -> TargetFeatures:
+    """Host -> GPU copy of `f` on a side stream (TargetFeatures.to); from a pinned slot
+    the copy does not block the host, and it overlaps the GPU work already queued."""
+    main = torch.cuda.current_stream(device)
+    side = _SIDE_STREAMS.get(main.device)
+    if side is None:
+        side = _SIDE_STREAMS[main.device] = torch.cuda.Stream(main.device)
+    host = [f.input_ids, f.loss_mask, f.lengths, f.aux_hidden, f.last_hidden]
+    with torch.cuda.stream(side):
+        moved = [t.to(main.device, non_blocking=True) for t in host]
+    for t in moved:
+        t.record_stream(main)  # allocated on the side stream, used on the main one
+    done = side.record_event()
+    main.wait_event(done)
+    note_read(host, done)
+    return TargetFeatures(list(f.sample_ids), *moved, copy_done=done)
 
 
 @dataclass

@@ -30,7 +30,7 @@ from specforge_dspark.engines.features import (
     TargetFeatures,
     TargetLost,
 )
-from specforge_dspark.engines.shm import SlotReader, make_slots, sweep_stale_slots
+from specforge_dspark.engines.shm import SlotMaps, make_slots, sweep_stale_slots
 
 POLL_S = 0.1
 """How often a waiting trainer checks that its worker is still alive."""
@@ -129,7 +129,7 @@ def worker_main(conn, spec: dict[str, Any]) -> None:
         conn.send(("error", -1, traceback.format_exc()))
         return
     conn.send(("ready", -1, ""))
-    slots = SlotReader()
+    slots = SlotMaps()
     replayed: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     while True:
         if not conn.poll(1.0):
@@ -142,10 +142,10 @@ def worker_main(conn, spec: dict[str, Any]) -> None:
             return
         if msg[0] == "stop":
             return
-        _, seq, index, path, B, S, lengths = msg
+        _, seq, _, path, B, S, lengths = msg
         try:
             t0 = time.perf_counter()
-            v = slots.views(index, path, B, S)
+            v = slots.views(path, B, S)
             if (B, S) in replayed:  # transport-only benchmark: write, don't compute
                 v.aux_hidden.copy_(replayed[B, S][0])
                 v.last_hidden.copy_(replayed[B, S][1])

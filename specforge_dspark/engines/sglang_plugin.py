@@ -10,7 +10,28 @@ instead copies the aux rows (`logits_output.hidden_states`, the concatenated cap
 of `--return-aux-hidden-state-layer-ids`) and the post-norm, pre-muP last hidden rows
 (`logits_output.last_hidden_states`) into the trainer's shared-memory slot named in the
 rid, then marks the request's ticket done (see shm.py). Other requests are untouched.
-Only attention-TP rank 0 writes (all TP ranks hold the same rows).
+
+Writers. Every attention-TP rank holds the same rows; each writes a share: whole requests,
+request `rid` by rank `writer_rank(rid, attn_tp_size)` (with attention DP each DP group's
+ranks share their own requests; with attention CP only CP rank 0 writes). Every chunk of
+a request goes to the same rank, so a ticket has one writer. Ranks come from
+`sglang.srt.runtime_context.get_parallel()`, published in every scheduler (its request
+receiver reads them). In an SGLang process (`register()` ran) whose ranks cannot be read
+no rank writes: each fails the ticket saying why (every rank writing the same rows would
+race on the ticket). Outside SGLang (the hook called directly, the vLLM connector's
+`write_features`) the caller is the only process and writes.
+
+The copy stays on the scheduler's path, synchronous. SGLang streams a batch's replies in
+the same call that runs our hook (managers/scheduler_components/batch_result_processor.py:
+hook at 334, `output_streamer.stream_output` at 502), and the trainer reads the tickets
+when the reply arrives (engines/sglang.py `result`): a copy that finished later would
+need tickets polled and guarded against reuse of the slot. Nor would it gain GPU time:
+with overlap off (engines/sglang.py OVERLAP) the next forward is launched only after we
+return (managers/scheduler.py:2048-2049), a copy left on the forward stream runs before
+that forward anyway, and on another stream the outputs (CUDA-graph buffers) may be
+overwritten under it. What is kept short instead: a rank copies only its share, into a
+mapping opened once and page-locked on CUDA (shm.SlotMaps), so the device-to-host copy
+is one DMA into the slot at pinned bandwidth (README, "Feature supply: cost model").
 
 A prefill that SGLang splits into chunks (its chunk budget is per batch, so with many
 requests in flight any sequence may be split) reaches the hook once per chunk: middle
@@ -29,6 +50,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import zlib
 
 import torch
 
@@ -38,10 +60,8 @@ from specforge_dspark.engines.shm import (
     FAILED,
     PENDING,
     TICKET_SIZE,
-    SlotLayout,
+    SlotMaps,
     Ticket,
-    map_file,
-    release,
     view,
 )
 
@@ -65,6 +85,9 @@ APPEND_PREFILL_PARAMS = (
 )
 """The hooked method's parameters in sglang 0.5.23 (checked by tests/test_sglang_args.py)."""
 
+SLOTS = SlotMaps()  # this process's slot mappings, kept open
+_in_sglang = False  # register() ran: this is an SGLang process
+
 
 def register() -> None:
     """Entry point: install the hook (SGLang applies it after all plugins loaded)."""
@@ -72,6 +95,8 @@ def register() -> None:
 
     from specforge_dspark.engines import sglang_cpu
 
+    global _in_sglang
+    _in_sglang = True
     HookRegistry.register(APPEND_PREFILL, append_prefill_hidden_states, HookType.AROUND)
     HookRegistry.register(MAX_PREFIX_LEN, max_prefix_len, HookType.AROUND)
     if sglang_cpu.cpu_engine():
@@ -125,8 +150,15 @@ def append_prefill_hidden_states(
     start = hidden_state_offset
     end = start + (extend_input_len if full else 1)
     middle_chunk = getattr(req, "inflight_middle_chunks", 0) > 0
-    if _is_writer_rank() and (store or middle_chunk):
-        ticket, path = target
+    if not (store or middle_chunk):
+        return end
+    ticket, path = target
+    try:
+        mine = writes_here(req.rid)
+    except RuntimeError as e:
+        fail(path, ticket, str(e))
+        return end
+    if mine:
         if not full:
             fail(
                 path,
@@ -157,24 +189,37 @@ def chunk_start(req, extend_input_len: int) -> int | None:
     return None
 
 
-def _is_writer_rank() -> bool:
-    context = sys.modules.get("sglang.srt.runtime_context")  # loaded in any real server
+def writer_rank(rid: str, attn_tp_size: int) -> int:
+    """The attention-TP rank that writes request `rid`. A hash of the rid, alike in every
+    process (crc32; Python's `hash` is salted per process), not the ticket index: that is
+    the sequence's place in its batch, always 0 at target.batch_size 1."""
+    return zlib.crc32(rid.encode()) % attn_tp_size
+
+
+def writes_here(rid: str) -> bool:
+    """Whether this process writes request `rid` (module docstring, Writers); RuntimeError
+    naming why when this SGLang process cannot read its ranks."""
+    if not _in_sglang:
+        return True
+    why = "no TP rank wrote: the server cannot read its attention-TP rank"
+    context = sys.modules.get("sglang.srt.runtime_context")
     if context is None:
-        return True
+        raise RuntimeError(f"{why} (sglang.srt.runtime_context is not loaded)")
     try:
-        return context.get_parallel().attn_tp_rank == 0
-    except Exception:  # ranks not published (single process): we are the writer
-        return True
+        par = context.get_parallel()
+        rank, size = par.attn_tp_rank, par.attn_tp_size
+        cp_rank = getattr(par, "attn_cp_rank", 0)  # 0: an SGLang without attention CP
+    except Exception as e:
+        raise RuntimeError(f"{why} ({type(e).__name__}: {e})") from None
+    return cp_rank == 0 and writer_rank(rid, size) == rank
 
 
 def write_features(path: str, ticket: int, row0: int | None, aux_ND, last_NH) -> None:
     """Copy one request's rows [row0, row0 + N) into its slot and update the ticket:
     done once all of its rows are written. Never raises (a failure is reported to the
     trainer through the ticket, the server keeps serving)."""
-    buf = None
     try:
-        buf = map_file(path)
-        layout = SlotLayout.unpack(buf, path)
+        buf, layout = SLOTS.get(path)
         off = layout.tickets_off + ticket * TICKET_SIZE
         t = Ticket.unpack(buf, off)
         if t is None:
@@ -197,8 +242,6 @@ def write_features(path: str, ticket: int, row0: int | None, aux_ND, last_NH) ->
         buf[off : off + TICKET_SIZE] = t.pack().ljust(TICKET_SIZE, b"\0")
     except Exception:
         logger.exception("specforge_dspark: could not hand features to %s", path)
-    finally:
-        release(buf)
 
 
 def _check(t: Ticket, row0: int, aux_ND, last_NH) -> str:
@@ -225,15 +268,12 @@ def _check(t: Ticket, row0: int, aux_ND, last_NH) -> str:
 
 def fail(path: str, ticket: int, message: str) -> None:
     """Mark a ticket failed with `message` (best effort)."""
-    buf = None
     try:
-        buf = map_file(path)
-        off = SlotLayout.unpack(buf, path).tickets_off + ticket * TICKET_SIZE
+        buf, layout = SLOTS.get(path)
+        off = layout.tickets_off + ticket * TICKET_SIZE
         t = Ticket.unpack(buf, off)
         if t is not None:
             t.status, t.error = FAILED, message
             buf[off : off + TICKET_SIZE] = t.pack().ljust(TICKET_SIZE, b"\0")
     except Exception:
         logger.exception("specforge_dspark: could not report to %s", path)
-    finally:
-        release(buf)

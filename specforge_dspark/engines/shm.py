@@ -11,23 +11,31 @@ Layout, all offsets 64-byte aligned:
     aux      dtype [capacity, D]       aux hidden states, [B, S, D]
     last     dtype [capacity, H]       post-norm last hidden states, [B, S, H]
 
-The trainer owns the files (creates, grows, unlinks); producers only open and write.
+The trainer owns the files (creates, grows, unlinks); producers only open and write,
+keeping their mappings open (SlotMaps). Where CUDA is present both sides page-lock their
+mappings (`pin`): a GPU copies into or out of a slot by direct DMA at pinned bandwidth, and
+the trainer's host-to-GPU copy can be asynchronous (features.TargetFeatures.to; a slot
+waits for such copies before it is rewritten or unmapped: `note_read`, `wait_reads`).
 This module imports only the standard library and torch, so the SGLang plugin can use
 it inside the server.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import shutil
 import struct
 import tempfile
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 FILE_PREFIX = "sfdspark-"
@@ -148,14 +156,23 @@ class Ticket:
 
 def map_file(path: str | Path, size: int | None = None) -> mmap.mmap:
     """Map `path` read-write; create it with `size` bytes when size is given."""
+    return _map(path, size)[0]
+
+
+def _map(path: str | Path, size: int | None = None) -> tuple[mmap.mmap, tuple[int, int, int]]:
+    """map_file, with the identity of the file mapped: (device, inode, size)."""
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if size is not None else 0)
     fd = os.open(path, flags, 0o600)
     try:
         if size is not None:
             os.ftruncate(fd, size)
-        return mmap.mmap(fd, 0)
+        return mmap.mmap(fd, 0), _identity(os.fstat(fd))
     finally:
         os.close(fd)
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size
 
 
 def view(buf, dtype: torch.dtype, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -174,6 +191,62 @@ def release(buf: mmap.mmap | None) -> None:
         buf.close()
     except BufferError:
         pass
+
+
+_PINNED: dict[int, tuple[int, list]] = {}  # address -> (bytes, events of copies reading it)
+_PIN_LOCK = threading.Lock()
+
+
+def pin(buf: mmap.mmap) -> int:
+    """Page-lock a mapping (cudaHostRegister) where CUDA is present: copies between it and
+    a GPU are then direct DMA at pinned bandwidth, and may be asynchronous. Returns its
+    address; 0 when not pinned (no CUDA, or the driver refused: copies still work, at
+    pageable bandwidth)."""
+    if not torch.cuda.is_available():
+        return 0
+    whole = torch.frombuffer(buf, dtype=torch.uint8)
+    addr, nbytes = whole.data_ptr(), whole.numel()
+    del whole  # no export may outlive this call: the mapping must stay closable
+    err = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, 1))  # 1: Portable
+    if err != 0:
+        logger.warning("cudaHostRegister of a %d-byte slot failed (error %d)", nbytes, err)
+        return 0
+    with _PIN_LOCK:
+        _PINNED[addr] = (nbytes, [])
+    return addr
+
+
+def unpin(addr: int) -> None:
+    """Undo `pin` (0: nothing to undo), once the copies still reading the mapping are done."""
+    if not addr:
+        return
+    wait_reads(addr)
+    with _PIN_LOCK:
+        _PINNED.pop(addr, None)
+    torch.cuda.cudart().cudaHostUnregister(addr)
+
+
+def note_read(tensors: list[torch.Tensor], event) -> None:
+    """An asynchronous copy, done once `event` (a torch.cuda.Event) completes, reads
+    `tensors`: the pinned mapping holding any of them waits for it before it is rewritten
+    or unmapped (`wait_reads`)."""
+    with _PIN_LOCK:
+        for t in tensors:
+            ptr = t.data_ptr()
+            for addr, (nbytes, events) in _PINNED.items():
+                if addr <= ptr < addr + nbytes:
+                    events.append(event)
+
+
+def wait_reads(addr: int) -> None:
+    """Block until the asynchronous copies out of the mapping at `addr` are done."""
+    if not addr:
+        return
+    with _PIN_LOCK:
+        events = _PINNED.get(addr, (0, []))[1]
+        pending, events[:] = list(events), []
+    for event in pending:
+        event.synchronize()
 
 
 class SlotViews:
@@ -203,9 +276,12 @@ class ShmSlot:
         self.path: Path | None = None
         self.layout: SlotLayout | None = None
         self.buf: mmap.mmap | None = None
+        self.pinned = 0  # address of the page-locked mapping (0: not pinned)
 
     def prepare(self, B: int, S: int) -> SlotViews:
-        """Views for a [B, S] request, reallocating first when it does not fit."""
+        """Views for a [B, S] request, reallocating first when it does not fit. Call it
+        before the slot is written: it waits for asynchronous copies still reading it."""
+        wait_reads(self.pinned)
         lay = self.layout
         if lay is None or B * S > lay.capacity or B > lay.max_seqs:
             cap = max(B * S, 2 * lay.capacity if lay else 0)
@@ -221,6 +297,7 @@ class ShmSlot:
         buf = map_file(path, layout.nbytes)
         buf[: _HEADER.size] = layout.pack()
         self.path, self.layout, self.buf = path, layout, buf
+        self.pinned = pin(buf)
 
     def ticket_offset(self, index: int) -> int:
         assert self.layout is not None and index < self.layout.max_seqs
@@ -237,8 +314,9 @@ class ShmSlot:
         """Unlink the file; the mapping goes once no yielded tensor uses it."""
         if self.path is not None:
             self.path.unlink(missing_ok=True)
+        unpin(self.pinned)
         release(self.buf)
-        self.path, self.layout, self.buf = None, None, None
+        self.path, self.layout, self.buf, self.pinned = None, None, None, 0
 
 
 SHM_HINT = (
@@ -302,18 +380,60 @@ def sweep_stale_slots() -> list[Path]:
     return swept
 
 
-class SlotReader:
-    """Producer side: slot index -> mapping, remapped when the trainer regrows a slot."""
+class SlotMaps:
+    """Producer side (the SGLang plugin, the vLLM connector, the hf worker): slot path ->
+    its mapping and layout, opened once and kept (page-locked where CUDA is present).
+    A path whose file was replaced (another device, inode or size) is mapped again; one
+    whose file is gone is dropped, and so is, whenever a new mapping is made, every other
+    whose file is gone or replaced (a regrown slot, a trainer that exited or restarted).
+    Thread-safe."""
 
     def __init__(self):
-        self._maps: dict[int, tuple[str, mmap.mmap, SlotLayout]] = {}
+        self._maps: dict[str, tuple[tuple[int, int, int], mmap.mmap, SlotLayout, int]] = {}
+        self._lock = threading.Lock()
+        self.mapped = 0  # mappings made so far
 
-    def views(self, index: int, path: str, B: int, S: int) -> SlotViews:
-        cached = self._maps.get(index)
-        if cached is None or cached[0] != path:
-            if cached is not None:
-                release(cached[1])
-            buf = map_file(path)
-            cached = (path, buf, SlotLayout.unpack(buf, path))
-            self._maps[index] = cached
-        return SlotViews(cached[1], cached[2], B, S)
+    def get(self, path: str) -> tuple[mmap.mmap, SlotLayout]:
+        """The mapping of `path` and its layout; FileNotFoundError when it is gone."""
+        with self._lock:
+            cached = self._maps.get(path)
+            try:
+                now = _identity(os.stat(path))
+            except FileNotFoundError:
+                self._drop(path)
+                raise
+            if cached is not None and cached[0] == now:
+                return cached[1], cached[2]
+            self._drop_stale()
+            buf, now = _map(path)
+            try:
+                layout = SlotLayout.unpack(buf, path)
+            except Exception:
+                release(buf)
+                raise
+            self._maps[path] = (now, buf, layout, pin(buf))
+            self.mapped += 1
+            return buf, layout
+
+    def views(self, path: str, B: int, S: int) -> SlotViews:
+        return SlotViews(*self.get(path), B, S)
+
+    def close(self) -> None:
+        with self._lock:
+            for path in list(self._maps):
+                self._drop(path)
+
+    def _drop(self, path: str) -> None:
+        cached = self._maps.pop(path, None)
+        if cached is not None:
+            unpin(cached[3])
+            release(cached[1])
+
+    def _drop_stale(self) -> None:
+        for path, cached in list(self._maps.items()):
+            try:
+                current = _identity(os.stat(path)) == cached[0]
+            except FileNotFoundError:
+                current = False
+            if not current:
+                self._drop(path)
