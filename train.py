@@ -52,22 +52,29 @@ def main(argv: list[str] | None = None) -> int:
         return dry_run(recipe, args.world_size)
     from specforge_dspark.engines.features import TargetLost
     from specforge_dspark.training.checkpoint import CheckpointWriteError, ResumeError
-    from specforge_dspark.training.lifecycle import RunLockError
+    from specforge_dspark.training.lifecycle import RunLockError, write_run_status
     from specforge_dspark.training.nonfinite import NonFiniteError
 
     where = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
+    first = int(os.environ.get("RANK", 0)) == 0  # writes run_status.json (lifecycle.py)
     try:
         run = build(recipe, args.resume)
         stopped = train(run, stop_at_step=args.stop_at_step)
     except (ResumeError, RecipeError, RunLockError, ValueError, FileNotFoundError) as e:
-        print(f"{where}error: {e}", file=sys.stderr)
+        print(f"{where}error: {e}", file=sys.stderr)  # refused before the run started
         return 2
     except (CheckpointWriteError, NonFiniteError, TargetLost, TimeoutError) as e:
         print(f"{where}error: {e}", file=sys.stderr)  # a fault during the run, said plainly
+        if first:
+            write_run_status(recipe.train.output_dir, "failed", 1, f"{type(e).__name__}: {e}")
         return 1
     if stopped:  # state saved; not a finished run, so not exit status 0
         print(f"{where}stopped early ({stopped}); continue with --resume auto", file=sys.stderr)
+        if first:
+            write_run_status(recipe.train.output_dir, "stopped", EXIT_STOPPED, stopped)
         return EXIT_STOPPED
+    if first:
+        write_run_status(recipe.train.output_dir, "finished", 0, f"{run.total_steps} steps")
     return 0
 
 
@@ -122,6 +129,7 @@ def build(recipe: Recipe, resume: str | None) -> Run:
     from specforge_dspark.training.distributed import deepspeed_config, init_distributed, lr_lambda
     from specforge_dspark.training.fingerprint import data_fingerprint, features_fingerprint
     from specforge_dspark.training.lifecycle import acquire_run_lock
+    from specforge_dspark.training.memory import resolve_recompute
 
     rank, world, device = init_distributed(recipe)
     dirs = resolved_dirs(recipe)
@@ -177,6 +185,8 @@ def build(recipe: Recipe, resume: str | None) -> Run:
     else:
         draft = new_draft(recipe.draft)
     _check_head_matches(recipe, head)
+    say = (lambda *a: None) if rank else print
+    recipe = resolve_recompute(recipe, draft, world, device, say=say)  # auto -> on / off
     o = recipe.optim
     opt = torch.optim.AdamW(
         draft.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
@@ -300,6 +310,7 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
     from specforge_dspark.preflight import preflight_run
     from specforge_dspark.training import checkpoint
     from specforge_dspark.training.data_order import EVAL_ID, advance, batches, eval_rows
+    from specforge_dspark.training.distributed import wait_for_every_rank
     from specforge_dspark.training.lifecycle import StopRequest, watch_launcher
     from specforge_dspark.training.nonfinite import NonFiniteError, NonFiniteGuard
     from specforge_dspark.training.served_eval import build_served_eval, served_accept_length
@@ -327,6 +338,7 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
     served = build_served_eval(r, run.rank, run.world, run.device)  # None unless asked
     served_al: dict[int, float] = {}  # step -> served accept length, for the gap
     with stream:
+        wait_for_every_rank()  # every node's server answered (its startup_timeout_s)
         preflight_run(run, stream)  # train.preflight_samples > 0: the engine's features checked
         data = batches(r, run.dataset, run.eval_set, run.rank, run.world, state)
         for feats in stream.iterate(data):

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
-from specforge_dspark.recipe_vllm import VLLMServer
+from specforge_dspark.recipe_servers import SGLangServer, VLLMServer
 from specforge_dspark.strict_load import apply_override, build_dataclass
 
 
@@ -27,21 +27,6 @@ class RecipeError(ValueError):
 
 
 # --------------------------------------------------------------------------- sections
-
-
-@dataclass
-class SGLangServer:
-    """How the `sglang` backend reaches its server."""
-
-    url: str | None = None
-    """Attach to a running server at this base URL instead of starting one."""
-    host: str = "127.0.0.1"
-    port: int = 30000
-    startup_timeout_s: float = 1800.0
-    """Longest wait for the server to answer: at start-up, after a restart, and for an
-    attached server (url) to come back after a failure before the run stops."""
-    server_args: dict[str, Any] = field(default_factory=dict)
-    """Extra `sglang.launch_server` arguments by ServerArgs field name (tp_size, ...)."""
 
 
 @dataclass
@@ -159,6 +144,10 @@ class ObjectiveRecipe:
     """Position weight exp(-k / gamma) (loss_decay_gamma)."""
     chunk_size: int = 128
     """Blocks per chunk of vocab-sized work; 0 = all blocks at once."""
+    decode_chunk_size: int = 128
+    """Blocks per decoder chunk (over context K/V computed once); 0 = all blocks at once."""
+    recompute: Literal["auto", "on", "off"] = "auto"
+    """on: checkpoint each decoder chunk; off: keep them all; auto: by training/memory.py."""
 
 
 @dataclass
@@ -219,6 +208,12 @@ class DistRecipe:
     zero_stage: int = 2
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto: bf16 on GPU, fp32 on CPU."""
+    deterministic: bool = False
+    """torch's deterministic kernels (warn where none exists): bitwise-repeatable CUDA runs
+    and resumes at some speed cost. CPU runs are bitwise repeatable without it."""
+    timeout_s: float = 1800.0
+    """Process-group timeout: a collective waiting longer fails the run. Start-up waits
+    on the target servers separately (their startup_timeout_s; distributed.py)."""
 
 
 @dataclass
@@ -411,6 +406,7 @@ def validate(r: Recipe) -> list[str]:
     )
     need(o.gamma > 0, f"objective.gamma must be > 0, got {o.gamma}")
     need(o.chunk_size >= 0, f"objective.chunk_size must be >= 0, got {o.chunk_size}")
+    need(o.decode_chunk_size >= 0, "objective.decode_chunk_size must be >= 0")
 
     p = r.optim
     need(p.lr > 0, f"optim.lr must be > 0, got {p.lr}")
@@ -456,7 +452,12 @@ def validate(r: Recipe) -> list[str]:
         "train.eval_interval > 0 needs data.eval_files (set one or set the interval to 0)",
     )
 
-    need(r.dist.zero_stage in (0, 1, 2, 3), f"dist.zero_stage must be 0-3, got {r.dist.zero_stage}")
+    need(
+        r.dist.zero_stage in (0, 1, 2),
+        f"dist.zero_stage must be 0, 1 or 2, got {r.dist.zero_stage}: ZeRO-3 partitions "
+        "parameters that the Markov head and the fused vocab loss read directly",
+    )
+    need(r.dist.timeout_s > 0, f"dist.timeout_s must be > 0, got {r.dist.timeout_s}")
     need(r.checkpoint.save_interval >= 1, "checkpoint.save_interval must be >= 1")
     need(r.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1")
     need(len(r.export.formats) == len(set(r.export.formats)), "export.formats has duplicates")

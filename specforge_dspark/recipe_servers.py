@@ -1,9 +1,25 @@
-"""The `target.vllm` recipe section (kept beside recipe.py, which holds the others)."""
+"""The `target.sglang` and `target.vllm` recipe sections (beside recipe.py, which holds
+the others)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+
+@dataclass
+class SGLangServer:
+    """How the `sglang` backend reaches its server."""
+
+    url: str | None = None
+    """Attach to a running server at this base URL instead of starting one."""
+    host: str = "127.0.0.1"
+    port: int = 30000
+    startup_timeout_s: float = 1800.0
+    """Longest wait for the server to answer: at start-up, after a restart, and for an
+    attached server (url) to come back after a failure before the run stops."""
+    server_args: dict[str, Any] = field(default_factory=dict)
+    """Extra `sglang.launch_server` arguments by ServerArgs field name (tp_size, ...)."""
 
 
 @dataclass

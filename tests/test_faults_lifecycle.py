@@ -52,8 +52,9 @@ def reference(tmp_path_factory, tiny_target_dir):
     return out
 
 
-def _stop_and_check(job, out, target, sig) -> float:
-    """Send `sig` to `target` (a rank or the launcher); return seconds until the job ended."""
+def _stop_and_check(job, out, target, sig) -> tuple[float, int]:
+    """Send `sig` to `target` (a rank or the launcher); return seconds until the job ended
+    and torchrun's exit status."""
     before = max(losses(out))
     t0 = send(target, sig)
     rc = job.wait(120)
@@ -64,20 +65,27 @@ def _stop_and_check(job, out, target, sig) -> float:
     saved = [int(p.name[5:]) for p in (out / "ckpt").glob("step-*") if (p / "COMPLETE").exists()]
     assert max(saved) > before, f"no checkpoint after step {before}: {sorted(saved)}"
     assert took <= STOP_BOUND_S, f"{sig.name}: the job took {took:.1f}s to stop"
-    return took
+    status = json.loads((out / "run_status.json").read_text())  # what a scheduler reads
+    assert (status["status"], status["exit_code"]) == ("stopped", 143), status
+    assert status["resume"] == "--resume auto", status
+    return took, rc
 
 
 def test_sigterm_to_a_rank_and_sigint_to_torchrun_save_and_resume_exactly(reference, tmp_path):
     out = tmp_path / "signals"
     job = launch(out, "--resume", "none")
     wait_step(out, 30, job)
-    term_s = _stop_and_check(job, out, ranks(job)[1], signal.SIGTERM)
+    term_s, term_rc = _stop_and_check(job, out, ranks(job)[1], signal.SIGTERM)
     job = launch(out, "--resume", "auto")
     wait_step(out, 70, job)
-    int_s = _stop_and_check(job, out, job, signal.SIGINT)
+    int_s, int_rc = _stop_and_check(job, out, job, signal.SIGINT)
     assert finish(out) == 0
+    assert json.loads((out / "run_status.json").read_text())["status"] == "finished"
     assert_same_run(out, reference)
-    print(f"SIGTERM to rank 1: stopped in {term_s:.1f}s; SIGINT to torchrun: {int_s:.1f}s")
+    print(
+        f"SIGTERM to rank 1: stopped in {term_s:.1f}s, torchrun exit {term_rc}; "
+        f"SIGINT to torchrun: {int_s:.1f}s, torchrun exit {int_rc}"
+    )
 
 
 def test_a_dead_launcher_stops_its_ranks_and_a_second_job_is_refused(reference, tmp_path):

@@ -60,6 +60,8 @@ MAY_CHANGE_ON_RESUME = (
     "checkpoint.",
     "tracking.",
     "export.",
+    "objective.decode_chunk_size",  # the same loss and gradients, chunked or recomputed
+    "objective.recompute",
     "target.prefetch",
     "target.timeout_s",
     "target.max_restarts",
@@ -73,6 +75,8 @@ MAY_CHANGE_ON_RESUME = (
     "data.cache_dir",
     "data.regenerate.",
     "dist.backend",
+    "dist.timeout_s",
+    "dist.deterministic",
 )
 
 

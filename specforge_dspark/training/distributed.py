@@ -10,6 +10,7 @@ import importlib
 import math
 import os
 import sys
+from datetime import timedelta
 
 import torch
 
@@ -17,8 +18,11 @@ from specforge_dspark.recipe import Recipe
 
 
 def init_distributed(recipe: Recipe) -> tuple[int, int, torch.device]:
-    """torchrun's env (or a single process); gloo on CPU, NCCL on GPU."""
+    """torchrun's env (or a single process); gloo on CPU, NCCL on GPU. Collectives time
+    out after dist.timeout_s; with several ranks a gloo group for `wait_for_every_rank`
+    is made here too (group creation is collective)."""
     import deepspeed
+    import torch.distributed as dist
 
     skip_deepspeed_shm_build()
     os.environ.setdefault("RANK", "0")
@@ -29,11 +33,45 @@ def init_distributed(recipe: Recipe) -> tuple[int, int, torch.device]:
     cuda = torch.cuda.is_available() and recipe.dist.backend != "gloo"
     backend = recipe.dist.backend if recipe.dist.backend != "auto" else ("nccl" if cuda else "gloo")
     local = int(os.environ["LOCAL_RANK"])
+    if recipe.dist.deterministic:  # before the first cuBLAS call
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     if cuda:
         torch.cuda.set_device(local)
-    deepspeed.init_distributed(dist_backend=backend)
+    deepspeed.init_distributed(
+        dist_backend=backend, timeout=timedelta(seconds=recipe.dist.timeout_s)
+    )
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    global _STARTUP_GROUP
+    if dist.get_world_size() > 1:
+        wait_s = startup_timeout_s(recipe) + recipe.dist.timeout_s
+        _STARTUP_GROUP = dist.new_group(backend="gloo", timeout=timedelta(seconds=wait_s))
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
+
+
+_STARTUP_GROUP = None
+"""The gloo group of `wait_for_every_rank` (None: one rank, or not initialised)."""
+
+
+def startup_timeout_s(recipe: Recipe) -> float:
+    """How long a rank may wait for its node's target server to answer at start-up."""
+    t = recipe.target
+    if t.backend == "sglang":
+        return t.sglang.startup_timeout_s
+    if t.backend == "vllm":
+        return t.vllm.startup_timeout_s
+    return 0.0
+
+
+def wait_for_every_rank() -> None:
+    """Barrier after each rank's target server answered: every node's server may take up
+    to its startup_timeout_s, longer than dist.timeout_s, so the first training collective
+    must not be where a fast node waits for a slow one. This barrier's group times out at
+    startup_timeout_s + dist.timeout_s."""
+    import torch.distributed as dist
+
+    if _STARTUP_GROUP is not None:
+        dist.barrier(group=_STARTUP_GROUP)
 
 
 def skip_deepspeed_shm_build() -> None:
