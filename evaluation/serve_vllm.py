@@ -36,6 +36,7 @@ from specforge_dspark.decoding.prompts import load_conversations, parse_workload
 from specforge_dspark.decoding.spec_decode import Generation, speculative_generate
 from specforge_dspark.engines.sglang import cli_flag
 from specforge_dspark.engines.vllm import CPU_SERVER_ARGS, VLLMServerProcess, healthy
+from specforge_dspark.recipe_servers import VLLMServer
 
 START_TIMEOUT_S = 600.0
 COUNTER = re.compile(r"^(vllm:spec_decode_num_[a-z_]+_total)(?:\{([^}]*)\})? ([0-9.e+]+)$", re.M)
@@ -170,7 +171,7 @@ def serve_check_vllm(
     device: str = "cpu",
     dtype: str = "float32",
     harness_draft: str | Path | None = None,
-    python: str = ".venv-vllm/bin/python",
+    python: str = VLLMServer.python,
     log=print,
 ) -> dict:
     """Serve the speculators export `draft` with vLLM, decode with the harness, compare."""

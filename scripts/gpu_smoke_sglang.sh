@@ -4,9 +4,11 @@
 #   scripts/gpu_smoke_sglang.sh MODEL_DIR ["L1 L2 L3"] [TP]
 #   e.g. scripts/gpu_smoke_sglang.sh /models/Qwen3-0.6B "1 13 24" 1
 #
-# Needs a CUDA machine with the full `sglang==0.5.23` install (its CUDA dependencies) in
-# the active Python, and this repository installed there with `pip install -e .`: the
-# plugin reaches the server processes only through the `sglang.srt.plugins` entry point.
+# Needs a CUDA machine with two environments, as in production: SGLang's own (its image,
+# or `pip install sglang==0.5.23` with everything it pins), interpreter $SGLANG_PY, with
+# this repository installed there by `pip install --no-deps -e .` (the plugin reaches the
+# server processes only through the `sglang.srt.plugins` entry point); and ours, $PY,
+# where the trainer side and the hf reference run.
 # MODEL_DIR is a local HF checkpoint that both SGLang (with aux capture) and transformers
 # load, e.g. Qwen3 or Llama. (Inkling-NVFP4 ships in SGLang's raw layout, which the hf
 # backend cannot load; use a recipe run for it instead.)
@@ -28,13 +30,15 @@ LAYERS=${2:-}
 TP=${3:-1}
 PORT=${PORT:-30123}
 PY=${PY:-python}
+SGLANG_PY=${SGLANG_PY:-python3}
+export SGLANG_PY
 OUT=${OUT:-runs/gpu_smoke_sglang}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 
 "$PY" - "$MODEL_DIR" "$LAYERS" "$TP" "$PORT" "$OUT" <<'EOF'
-import importlib.metadata
 import json
+import os
 import sys
 import time
 
@@ -43,6 +47,7 @@ import torch
 from specforge_dspark.recipe import recipe_from_dict
 from specforge_dspark.training.stream import FeatureStream
 from specforge_dspark.engines.sglang import launch_args, validate_launch_args
+from specforge_dspark.engines.sglang_keeper import engine_python
 
 model, layers, tp, port, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 cfg = json.load(open(f"{model}/config.json"))
@@ -56,7 +61,8 @@ def recipe(backend):
         "target": {
             "path": model, "backend": backend, "dtype": "float32", "device": "cuda",
             "prefetch": 2, "batch_size": 2, "timeout_s": 300,
-            "sglang": {"port": port, "startup_timeout_s": 1200, "server_args": {
+            "sglang": {"port": port, "startup_timeout_s": 1200,
+                       "python": os.environ["SGLANG_PY"], "server_args": {
                 "tp_size": tp, "mem_fraction_static": 0.5, "chunked_prefill_size": 8192}},
         },
         "draft": {"target_layer_ids": layer_ids, "num_target_layers": L,
@@ -71,8 +77,11 @@ def check(ok, what):
         sys.exit(1)
 
 
-names = {ep.name for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")}
-check("specforge_dspark" in names, "1. plugin entry point registered (pip install -e .)")
+try:  # SGLang's own environment: sglang imports there, our plugin is registered there
+    engine_python(os.environ["SGLANG_PY"], "SGLANG_PY", "sglang", "sglang.srt.plugins")
+    check(True, "1. plugin entry point registered in SGLANG_PY's environment")
+except ValueError as e:
+    check(False, f"1. {e}")
 args = launch_args(recipe("sglang"))
 cfg_view = validate_launch_args(args)
 check(cfg_view.aux_hidden_state_capture == "dspark", "2. launch args pass sglang validation")

@@ -15,6 +15,11 @@ class SGLangServer:
     """Attach to a running server at this base URL instead of starting one."""
     host: str = "127.0.0.1"
     port: int = 30000
+    python: str = ".venv-sglang/bin/python"
+    """The interpreter of SGLang's own environment, where the server runs (its torch, its
+    kernels; our plugin installed there with `pip install --no-deps -e .`): a path,
+    relative to the working directory, or a name on PATH. `make sglang-venv` creates this
+    one; in SGLang's image it is the image's `python3`. The trainer keeps its own."""
     startup_timeout_s: float = 1800.0
     """Longest wait for the server to answer: at start-up, after a restart, and for an
     attached server (url) to come back after a failure before the run stops."""

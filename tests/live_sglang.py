@@ -49,7 +49,8 @@ class LiveServer:
         recipe = tiny_sglang_recipe(target_dir, port=self.port, **server_args)
         self.log_path = Path(log_dir) / f"sglang-{self.port}.log"
         t0 = time.monotonic()
-        self.proc = ServerProcess(launch_args(recipe), self.log_path, cpu_engine=True)
+        python = recipe.target.sglang.python  # SGLang's own venv, as the trainer starts it
+        self.proc = ServerProcess(python, launch_args(recipe), self.log_path, cpu_engine=True)
         self.pid = self.proc.proc.pid
         try:
             self._wait_healthy()

@@ -5,7 +5,8 @@ imports torchvision at module level, and PyPI's torchvision cannot import beside
 torch. `import_sglang` therefore:
 1. lets transformers decide (and cache) that torchvision is NOT available, so none of its
    own code tries to use the stand-in below;
-2. registers the inert `torchvision` of the CPU-engine servers (engines/cpu_shims/): any
+2. registers an inert `torchvision` (tests/inert_torchvision.py; SGLang's own venv, where its
+   servers run, has the real one): any
    `torchvision.*` submodule imports as an empty package whose unknown attributes are
    placeholder classes, plus a real `InterpolationMode` enum (used in SGLang's defaults);
 3. imports the requested SGLang module.
@@ -20,8 +21,9 @@ import importlib
 import importlib.util
 import sys
 import types
+from pathlib import Path
 
-from specforge_dspark.engines.sglang import CPU_SHIMS
+INERT_TORCHVISION = Path(__file__).with_name("inert_torchvision.py")
 
 
 class SglangUnavailable(ImportError):
@@ -29,13 +31,12 @@ class SglangUnavailable(ImportError):
 
 
 def _install_inert_torchvision() -> None:
-    """The CPU-engine server's inert torchvision (engines/cpu_shims/torchvision), loaded
-    under its own name; the shim folder is not put on sys.path, so this process does
-    not see the server's sgl_kernel stand-in."""
+    """tests/inert_torchvision.py, loaded under the name `torchvision`."""
     if "torchvision" in sys.modules:
         return
-    init = CPU_SHIMS / "torchvision" / "__init__.py"
-    spec = importlib.util.spec_from_file_location("torchvision", init)
+    spec = importlib.util.spec_from_file_location(
+        "torchvision", INERT_TORCHVISION, submodule_search_locations=[]
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules["torchvision"] = module
     spec.loader.exec_module(module)

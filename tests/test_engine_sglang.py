@@ -241,6 +241,24 @@ def test_unreachable_server_fails_at_start_up(tiny_target_dir):
             pass
 
 
+def test_a_server_interpreter_without_sglang_or_our_plugin_is_named(tmp_path):
+    """The server's environment is checked before it starts (target.sglang.python)."""
+    import shutil
+
+    from specforge_dspark.engines.sglang import ServerProcess
+    from specforge_dspark.engines.sglang_keeper import engine_python
+
+    key = "target.sglang.python"
+    with pytest.raises(ValueError, match=rf"{key}: no Python interpreter at nowhere/python"):
+        ServerProcess("nowhere/python", [], tmp_path / "log")
+    bare = shutil.which("python3")  # the machine's own Python: no sglang there
+    with pytest.raises(ValueError, match=rf"{key}: .* cannot import sglang \(run `make sglang"):
+        ServerProcess(bare, [], tmp_path / "log")
+    with pytest.raises(ValueError, match=r"our plugin is not registered in .* --no-deps -e \."):
+        engine_python(bare, key, "json", "sglang.srt.plugins")  # importable, no plugin
+    assert not (tmp_path / "log").exists(), "no server was started"
+
+
 def test_plugin_passes_other_requests_to_sglang(tiny_target_dir):
     seen = {}
 

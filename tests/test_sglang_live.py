@@ -77,6 +77,21 @@ def test_live_server_features_equal_the_hf_backend(sglang_server, tiny_qwen3_dir
     assert diff <= 1e-5  # fp32; values reach ~10, kernels see other batch shapes
 
 
+PLUGIN_LOADED = r"specforge_dspark plugin loaded in (\S+) \(torch (\S+), sglang (\S+)\)"
+
+
+def test_the_server_runs_in_sglangs_own_venv_beside_the_trainers(sglang_server):
+    """Two environments, as users deploy: the server in SGLang's (`.venv-sglang`: `pip
+    install sglang==0.5.23` with the torch it pins, our plugin --no-deps), the trainer in
+    ours. This module's features, 30-step and fault tests run against such servers."""
+    found = re.search(PLUGIN_LOADED, sglang_server.log_path.read_text())
+    assert found, "our plugin did not log where it loaded"
+    prefix, server_torch, server_sglang = found.groups()
+    assert Path(prefix).resolve() == (REPO / ".venv-sglang").resolve() != Path(sys.prefix)
+    assert (server_torch.split("+")[0], server_sglang) == ("2.14.1", "0.5.23")
+    assert torch.__version__.split("+")[0] == "2.13.0", "the trainer's own torch"
+
+
 @pytest.fixture(scope="module")
 def chunked_server(tiny_qwen3_dir, tmp_path_factory):
     """A server whose prefill budget is 32 tokens a batch: most sequences are split."""
@@ -233,6 +248,8 @@ def test_killed_then_hung_server_is_restarted_and_the_run_is_unchanged(runs):
             except ProcessLookupError:
                 pass
     text = (out / "job.log").read_text()
+    served = re.findall(PLUGIN_LOADED, (out / "sglang_server_rank0.log").read_text())
+    assert {Path(p).name for p, *_ in served} == {".venv-sglang"}, "started in SGLang's venv"
     assert int(pid_file.read_text()) not in (killed, stopped), "the hung server was not replaced"
     assert f"[rank 0] sglang server {url} (pid {killed}) died (exit code -9); restarting" in text
     assert f"sglang server {url} (pid {stopped}) stopped answering" in text, text[-3000:]

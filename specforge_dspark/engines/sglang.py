@@ -20,12 +20,10 @@ the trainer waits for them to answer again, or stops with the error that ended t
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -50,6 +48,7 @@ from specforge_dspark.engines.features import (
 from specforge_dspark.engines.inkling_layout import needs_radix_cache, sglang_layout
 from specforge_dspark.engines.sglang_keeper import (
     ServerKeeper,
+    engine_python,
     group_running,
     kill_group,
     read_pid,
@@ -123,12 +122,15 @@ def launch_args(recipe) -> list[str]:
 
 def cpu_engine_args(model: str | Path) -> dict[str, Any]:
     """CPU_ENGINE_ARGS; for Inkling (its attention takes fa4 or triton only) triton, run by
-    Triton's interpreter, and no prefill graph (a CPU has no graph pool)."""
+    Triton's interpreter, no prefill graph (a CPU has no graph pool), and no tokenizer: its
+    chat adapter refuses any but Inkling's o200k (sglang_cpu_inkling.py), and our requests
+    carry input_ids."""
     if needs_radix_cache(model):
         return {
             **CPU_ENGINE_ARGS,
             "attention_backend": "triton",
             "disable_prefill_cuda_graph": True,
+            "skip_tokenizer_init": True,
         }
     return dict(CPU_ENGINE_ARGS)
 
@@ -202,20 +204,24 @@ def request_body(rids: list[str], input_ids: list[list[int]]) -> dict[str, Any]:
 class ServerProcess:
     """A `sglang.launch_server` child in its own process group, logging to a file."""
 
-    def __init__(self, args: list[str], log_path: Path, cpu_engine: bool = False):
-        names = {ep.name for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")}
-        if PLUGIN_NAME not in names:
-            raise RuntimeError(
-                f"the {PLUGIN_NAME} SGLang plugin is not registered in this environment "
-                "(entry point group sglang.srt.plugins): run `pip install -e .` here"
-            )
+    def __init__(
+        self,
+        python: str,
+        args: list[str],
+        log_path: Path,
+        cpu_engine: bool = False,
+        key: str = "target.sglang.python",
+    ):
+        """`python`: the interpreter of SGLang's own environment (checked: sglang imports
+        there and our plugin is registered there); `key` names where it came from."""
+        exe = engine_python(python, key, "sglang", "sglang.srt.plugins")
         triton = "--attention-backend triton" in " ".join(args)
         env = server_env(cpu_engine, interpret_triton=cpu_engine and triton)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
         with log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "sglang.launch_server", *args],
+                [exe, "-m", "sglang.launch_server", *args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -267,7 +273,7 @@ class SGLangEngine:
         if self.pid_file is not None and local_rank == 0:
             args, log = launch_args(recipe), out / f"sglang_server_rank{rank}.log"
             self.keeper = ServerKeeper(
-                lambda: ServerProcess(args, log, is_cpu_engine(recipe)),
+                lambda: ServerProcess(t.sglang.python, args, log, is_cpu_engine(recipe)),
                 self.pid_file,
                 self._healthy,
                 recipe,

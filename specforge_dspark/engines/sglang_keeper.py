@@ -14,7 +14,9 @@ after its tickets were re-issued.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -23,6 +25,39 @@ from pathlib import Path
 from typing import Any
 
 POLL_S = 0.5
+
+# Run by an engine's own interpreter: is `module` importable, and is our plugin registered
+# under entry-point group `group` there? (exit 3: no module, 4: no plugin)
+_PROBE = """import importlib.metadata as m, importlib.util as u, sys
+if u.find_spec(sys.argv[1]) is None: sys.exit(3)
+names = {e.name for e in m.entry_points(group=sys.argv[2])} if sys.argv[2] else {""}
+sys.exit(0 if not sys.argv[2] or "specforge_dspark" in names else 4)"""
+
+
+def engine_python(python: str, key: str, module: str, group: str | None = None) -> str:
+    """The interpreter of the engine's own environment (recipe key `key`): a path, relative
+    to the working directory, or a name on PATH. Checked before a server starts: `module`
+    must import there and, with `group`, our package's plugin must be registered there
+    (`pip install --no-deps -e .` in that environment). Returns the executable's path."""
+    exe = python if os.sep in python else shutil.which(python)
+    make = {"sglang": "make sglang-venv", "vllm": "make vllm-venv"}.get(module, "")
+    if exe is None or not Path(exe).is_file():
+        raise ValueError(
+            f"{key}: no Python interpreter at {python} (the {module} server's environment: "
+            f"run `{make}`, or point {key} at an environment with {module} installed)"
+        )
+    # -I: not the working directory (an in-tree egg-info would answer for the environment)
+    probe = subprocess.run([exe, "-I", "-c", _PROBE, module, group or ""], capture_output=True)
+    if probe.returncode == 3:
+        raise ValueError(f"{key}: {exe} cannot import {module} (run `{make}`)")
+    if probe.returncode == 4:
+        raise ValueError(
+            f"{key}: our plugin is not registered in {exe}'s environment (entry point "
+            f"group {group}): run `{exe} -m pip install --no-deps -e .` in this repository"
+        )
+    if probe.returncode != 0:
+        raise ValueError(f"{key}: {exe} failed: {probe.stderr.decode()[-500:]}")
+    return exe
 
 
 def kill_group(pgid: int, wait_s: float = 10.0) -> None:

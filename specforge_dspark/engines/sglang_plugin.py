@@ -48,6 +48,7 @@ a request may match), caps it at 0 for our requests only. The launcher also pass
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import sys
 import zlib
@@ -96,6 +97,14 @@ def register() -> None:
     from specforge_dspark.engines import sglang_cpu
 
     global _in_sglang
+    if not _in_sglang:  # which environment serves: SGLang's own, not the trainer's
+        version = importlib.metadata.version
+        print(  # plugins load before SGLang configures logging: straight to the server log
+            f"{PLUGIN_NAME} plugin loaded in {sys.prefix} (torch {torch.__version__}, "
+            f"sglang {version('sglang')})",
+            file=sys.stderr,
+            flush=True,
+        )
     _in_sglang = True
     HookRegistry.register(APPEND_PREFILL, append_prefill_hidden_states, HookType.AROUND)
     HookRegistry.register(MAX_PREFIX_LEN, max_prefix_len, HookType.AROUND)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -54,7 +53,7 @@ from specforge_dspark.engines.features import (
     read_target_dims,
 )
 from specforge_dspark.engines.sglang import LAUNCHER_VARS, cli_flag
-from specforge_dspark.engines.sglang_keeper import kill_group
+from specforge_dspark.engines.sglang_keeper import engine_python, kill_group
 from specforge_dspark.engines.shm import (
     DONE,
     DTYPE_CODES,
@@ -155,12 +154,7 @@ class VLLMServerProcess:
         key: str,
         triton_interpreter: bool = False,
     ):
-        exe = python if os.sep in python else shutil.which(python)
-        if exe is None or not Path(exe).is_file():
-            raise ValueError(
-                f"{key}: no Python interpreter at {python} (vLLM's venv: run `make vllm-venv`, "
-                "or point it at an environment with vLLM and `pip install --no-deps -e .`)"
-            )
+        exe = engine_python(python, key, "vllm")
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
         with log_path.open("ab") as log:

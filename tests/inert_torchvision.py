@@ -1,4 +1,6 @@
-"""Inert torchvision for CPU-engine SGLang servers (see ../README.md)."""
+"""Inert torchvision for in-process SGLang imports in the project venv (tests/sglang_shim.py):
+PyPI's torchvision cannot import beside the CPU torch wheel there. SGLang's own venv, where
+its servers run, has the real one."""
 
 from __future__ import annotations
 
