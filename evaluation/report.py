@@ -190,6 +190,51 @@ def write_plots(summary: dict, out: Path) -> None:
     plt.close(fig)
 
 
+def write_comparison_plot(results: dict[str, dict], path: Path, baseline: str = "ngram") -> None:
+    """One figure of several drafters' pooled evaluation summaries (name -> summary with
+    `workloads` and `overall`, as written by `write_report` or pooled over processes):
+    accept length per workload and overall with 95% intervals, and per-position acceptance
+    of each drafter against `baseline`, pooled over every verify step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if baseline not in results:
+        raise KeyError(f"write_comparison_plot: no '{baseline}' among {sorted(results)}")
+    names = list(results)
+    workloads = [*next(iter(results.values()))["workloads"], "overall"]
+    fig, (bars, curve) = plt.subplots(1, 2, figsize=(11, 4), width_ratios=[3, 2])
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        rows = [results[name]["workloads"].get(w) or results[name]["overall"] for w in workloads]
+        mean = [r["accept_length"] for r in rows]
+        ci = [r.get("accept_length_ci") or [m, m] for r, m in zip(rows, mean, strict=True)]
+        err = [[m - lo for m, (lo, _) in zip(mean, ci, strict=True)],
+               [hi - m for m, (_, hi) in zip(mean, ci, strict=True)]]  # fmt: skip
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(workloads))]
+        bars.bar(xs, mean, width, yerr=err, capsize=3, label=name)
+    bars.set_xticks(range(len(workloads)), workloads)
+    bars.set(ylabel="accept length (tokens per verify step)", title="Accept length, 95% CI")
+    bars.axhline(1.0, color="grey", lw=0.8)
+    bars.legend(fontsize=8)
+    for name in names:
+        style = "k--" if name == baseline else "o-"
+        per_position = results[name]["overall"]["per_position"]
+        curve.plot(range(len(per_position)), per_position, style, label=name)
+        curve.set_xticks(range(len(per_position)))
+    curve.set(
+        xlabel="draft position k",
+        ylabel="P(position k accepted)",
+        ylim=(0, 1.02),
+        title=f"Per-position acceptance vs {baseline} (pooled)",
+    )
+    curve.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def write_report(summary: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

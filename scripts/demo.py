@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from evaluation.report import write_comparison_plot
     from specforge_dspark.recipe import load_recipe, resolved_dirs
     from specforge_dspark.tiny_target import build
 
@@ -339,9 +340,11 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.time() - t0, 1),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_comparison_plot(results, out / "summary.png")  # the pooled answer, one picture
     print("\ntime split: " + ", ".join(f"{k} {v:.0f} s" for k, v in split.items()))
     print(
-        f"wrote {out / 'summary.json'} ({summary['seconds']:.0f} s in all); decoded texts in "
+        f"wrote {out / 'summary.json'} and summary.png ({summary['seconds']:.0f} s in all); "
+        "decoded texts in "
         f"{out}/eval_*/generations.jsonl"
     )
     return 0

@@ -111,3 +111,20 @@ def test_bad_workload_specs_name_the_flag(tmp_path):
         parse_workload("x=just_a_path")
     with pytest.raises(ValueError, match="no such file"):
         load_conversations(parse_workload(f"x={tmp_path}/missing.jsonl:q"), 1)
+
+
+def test_the_comparison_plot_shows_every_drafter_and_names_a_missing_baseline(tmp_path):
+    from evaluation.report import write_comparison_plot
+
+    def summary(al: float) -> dict:
+        row = {"accept_length": al, "accept_length_ci": [al - 0.2, al + 0.3]}
+        per_position = [0.5, 0.25, 0.1]
+        workloads = {"gsm8k": row, "humaneval": {**row, "accept_length_ci": None}}
+        return {"workloads": workloads, "overall": {**row, "per_position": per_position}}
+
+    results = {"trained": summary(2.5), "ngram": summary(2.0)}
+    write_comparison_plot(results, tmp_path / "summary.png")
+    assert (tmp_path / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(KeyError, match=r"no 'ngram' among \['trained'\]"):
+        write_comparison_plot({"trained": results["trained"]}, tmp_path / "other.png")
+    assert not (tmp_path / "other.png").exists()

@@ -131,6 +131,7 @@ def reference(draft, head, batch, anchors_BN, valid_BN, obj=OBJ):
     wsum = 0.0
     per_k = {m: [[] for _ in range(G)] for m in ("alpha", "top1", "ce_k", "conf_err")}
     block_accepts = []  # per valid block: greedy accept count over its supervised slots
+    block_expected = []  # per valid block: sum_k prod_{i<=k} alpha_i over its supervised slots
     ctx_BSH = draft.context(aux)
     for b in range(B):
         for j in range(anchors_BN.shape[1]):
@@ -154,7 +155,7 @@ def reference(draft, head, batch, anchors_BN, valid_BN, obj=OBJ):
             logits_GV, conf_G = draft.apply_heads(
                 h_GH[None, None], head.logits(h_GH)[None, None], prev[None, None]
             )
-            accepting, n_accepted = True, 0
+            accepting, n_accepted, survive, n_expected = True, 0, 1.0, 0.0
             for k in range(G):
                 t = a + k + 1
                 if t >= S or not lm[b, t]:
@@ -182,9 +183,12 @@ def reference(draft, head, batch, anchors_BN, valid_BN, obj=OBJ):
                 per_k["top1"][k].append(float(top1))
                 accepting = accepting and top1
                 n_accepted += accepting
+                survive *= float(alpha)  # every slot up to k accepted
+                n_expected += survive
                 per_k["ce_k"][k].append(float(ce.detach()))
                 per_k["conf_err"][k].append(err)
             block_accepts.append(n_accepted)
+            block_expected.append(n_expected)
     terms = {k: torch.as_tensor(v / wsum, dtype=torch.float64) for k, v in num.items()}
     loss = obj.ce_weight * terms["ce"] + obj.l1_weight * terms["l1"] + obj.bce_weight * terms["bce"]
     draft.zero_grad(set_to_none=True)
@@ -194,14 +198,14 @@ def reference(draft, head, batch, anchors_BN, valid_BN, obj=OBJ):
         m: torch.tensor([sum(v) / len(v) if v else math.nan for v in per_k[m]], dtype=torch.float64)
         for m in per_k
     }
-    tau_slot_mean = 1.0 + torch.cumprod(means["alpha"], 0).sum()
     tau = 1.0 + sum(block_accepts) / len(block_accepts) if block_accepts else math.nan
+    tau_expected = 1.0 + sum(block_expected) / len(block_expected) if block_expected else math.nan
     metrics = {
         "loss": float(loss.detach()),
         **{k: float(v.detach()) for k, v in terms.items()},
         **means,
         "tau": float(tau),
-        "tau_slot_mean": float(tau_slot_mean),
+        "tau_expected": float(tau_expected),
         "weight_sum": wsum,
         "valid_blocks": float(valid_BN.sum()),
         "supervised_slots": float(sum(len(v) for v in per_k["alpha"])),
@@ -369,15 +373,16 @@ def test_no_grad_evaluation_gives_the_same_metrics():
     assert_close_metrics(out.metrics, metrics, rtol=1e-6)
     logged = out.log_dict()
     assert logged["tau"] == pytest.approx(float(metrics["tau"]), rel=1e-6)
-    assert logged["tau_slot_mean"] == pytest.approx(float(metrics["tau_slot_mean"]), rel=1e-6)
+    assert logged["tau_expected"] == pytest.approx(float(metrics["tau_expected"]), rel=1e-6)
     assert [logged[f"alpha/{k}"] for k in range(G)] == pytest.approx(metrics["alpha"].tolist())
     assert all(isinstance(v, float) for v in logged.values())
 
 
 def test_tau_averages_per_block_accept_lengths(monkeypatch):
-    """Uneven blocks (4, 2 and 3 supervised slots) with scripted greedy matches: tau is
-    the mean over blocks of 1 + (leading matches among the block's supervised slots); the
-    former per-slot-mean value differs."""
+    """Uneven blocks (4, 2 and 3 supervised slots) with scripted greedy matches and
+    acceptance probabilities: tau is the mean over blocks of 1 + (leading matches among the
+    block's supervised slots), tau_expected the mean of 1 + sum_k prod_{i<=k} alpha_i over
+    the same slots; the retired per-slot-mean value differs."""
     from specforge_dspark.objective import vocab_loss
 
     ids = torch.arange(10)[None] % L
@@ -387,14 +392,19 @@ def test_tau_averages_per_block_accept_lengths(monkeypatch):
     # per block, slot: 1 = the draft's argmax is the teacher's (slots past a block's
     # supervised prefix are scripted 1 to show they do not count)
     match_XG = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.float32)
+    # acceptance probabilities per block, slot (past the supervised prefix: do not count)
+    alpha_XG = torch.tensor([[0.5, 0.8, 0.1, 0.9], [0.2, 0.5, 1.0, 1.0], [1.0, 0.5, 0.5, 0.7]])
     eval_mask = build_blocks(ids, mask, anchors, valid, G, MASK, 4.0).eval_mask_BNG[0]
     assert eval_mask.sum(-1).tolist() == [4, 2, 3]
     assert vocab_loss.accepted_drafts(match_XG, eval_mask).tolist() == [2, 0, 3]
+    expected = [0.5 + 0.5 * 0.8 + 0.5 * 0.8 * 0.1 + 0.5 * 0.8 * 0.1 * 0.9, 0.2 + 0.2 * 0.5, 1.75]
+    got = vocab_loss.expected_accepts(alpha_XG, eval_mask).tolist()
+    assert got == pytest.approx(expected)
     real = vocab_loss.vocab_chunk
 
     def scripted(plan, sl, *rest):
         stats, grads = real(plan, sl, *rest)
-        stats[2], stats[5] = match_XG[sl], match_XG[sl]  # alpha and top1
+        stats[2], stats[5] = alpha_XG[sl], match_XG[sl]  # alpha and top1
         return stats, grads
 
     monkeypatch.setattr(vocab_loss, "vocab_chunk", scripted)
@@ -416,9 +426,11 @@ def test_tau_averages_per_block_accept_lengths(monkeypatch):
     assert float(m["tau"]) == pytest.approx(1 + (2 + 0 + 3) / 3)
     # slot means over supervised blocks: 2/3, 3/3, 1/2, 1/1
     assert m["top1"].tolist() == pytest.approx([2 / 3, 1.0, 0.5, 1.0])
-    slot_mean = 1 + 2 / 3 + 2 / 3 + 1 / 3 + 1 / 3
-    assert float(m["tau_slot_mean"]) == pytest.approx(slot_mean)
-    assert abs(float(m["tau"]) - slot_mean) > 0.3
+    assert float(m["tau_expected"]) == pytest.approx(1 + sum(expected) / 3)
+    # the retired value, a product of per-slot MEAN alphas, is not the mean of products
+    means = [(0.5 + 0.2 + 1.0) / 3, (0.8 + 0.5 + 0.5) / 3, (0.1 + 0.5) / 2, 0.9]
+    slot_mean = 1 + torch.tensor(means).cumprod(0).sum().item()
+    assert abs(float(m["tau_expected"]) - slot_mean) > 0.05
 
 
 def test_no_valid_block_gives_zero_loss_and_zero_grads_everywhere():

@@ -143,6 +143,7 @@ def test_metrics_reach_trackio(runs, monkeypatch):
         "l1",
         "bce",
         "tau",
+        "tau_expected",
         "lr",
         "grad_norm",
         "tokens_per_s",
@@ -154,7 +155,9 @@ def test_metrics_reach_trackio(runs, monkeypatch):
         assert key in last, key
     assert abs(last["loss"] - _losses(base / "full")[STEPS]) < 1e-6
     evals = [m for m in logs if "eval/loss" in m]  # train.eval_interval=2: after step 2
-    assert len(evals) == 1 and all(k in evals[0] for k in ("eval/tau", "eval/alpha/0"))
+    assert len(evals) == 1 and all(
+        k in evals[0] for k in ("eval/tau", "eval/tau_expected", "eval/alpha/0")
+    )
     served = [m for m in logs if "eval/accept_length" in m]
     assert [m["eval/served_prompts"] for m in served] == [2, 2]  # steps 2 and 4
     gap = evals[0]["eval/tau_minus_accept_length"]  # step 2: teacher-forced minus served

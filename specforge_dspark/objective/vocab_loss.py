@@ -37,8 +37,11 @@ Teacher-forced accept length
   a_{b,i} = 1 where the draft's argmax at slot i equals the teacher's (top1). A block only
   counts while its slots are supervised: a slot outside the block's supervised prefix
   (eval_mask False) counts as rejected, so a block with n supervised slots contributes at
-  most 1 + n. `tau_slot_mean` is the former value, 1 + sum_k prod_{i<=k} alpha_i with
-  alpha_i the per-slot MEAN acceptance probability over blocks (kept for one release).
+  most 1 + n. `tau_expected` is DSPARK_SPEC's expected accept length per block,
+  1 + sum_k prod_{i<=k} alpha_{b,i}, alpha_{b,i} = sum_v min(p, q) the probability that
+  slot i is accepted under speculative sampling (0 outside the supervised prefix),
+  averaged over valid blocks the same way. (`tau_slot_mean`, the product of per-slot
+  MEAN alphas, is retired: a mean over blocks of a product is not a product of means.)
 
 Memory
   Vocab-sized work runs one chunk of C blocks at a time inside `FusedVocabLoss`, whose
@@ -314,9 +317,9 @@ class LossOutput:
     gradient the ranks' `loss` produce); alpha, top1, ce_k, conf_err ([G]; means over
     supervised slots at position k, NaN where there is none); tau (0-d, the per-block
     greedy accept length averaged over valid blocks, see the module docstring; NaN
-    without a block) and tau_slot_mean (0-d, the former value from the mean alpha; kept
-    for one release); valid_blocks, supervised_slots, weight_sum, sequences_skipped (0-d
-    counts).
+    without a block) and tau_expected (0-d, the per-block expected accept length from the
+    slots' acceptance probabilities, averaged the same way); valid_blocks,
+    supervised_slots, weight_sum, sequences_skipped (0-d counts).
     """
 
     loss: Tensor
@@ -341,6 +344,14 @@ def accepted_drafts(top1_BNG: Tensor, eval_mask_BNG: Tensor) -> Tensor:
     return accept_BNG.long().cumprod(dim=-1).sum(dim=-1)
 
 
+def expected_accepts(alpha_BNG: Tensor, eval_mask_BNG: Tensor) -> Tensor:
+    """Expected accepted drafts of each block [B, N]: sum_k prod_{i<=k} alpha_i over the
+    block's slots, alpha (a slot's acceptance probability) counting 0 outside the block's
+    supervised prefix. The block's expected accept length is this + 1."""
+    alpha_BNG = torch.where(eval_mask_BNG, alpha_BNG, torch.zeros_like(alpha_BNG))
+    return alpha_BNG.cumprod(dim=-1).sum(dim=-1)
+
+
 def pooled_metrics(
     stats_6BNG: Tensor,
     bl: Blocks,
@@ -358,11 +369,13 @@ def pooled_metrics(
     _, terms_3 = weighted_terms(stats, bl.weight_BNG, obj)
     per_k = [torch.where(bl.eval_mask_BNG, stats[i], 0.0).sum(dim=(0, 1)) for i in (2, 5, 0, 4)]
     accepted = float(accepted_drafts(stats[5], bl.eval_mask_BNG).sum())
-    counts = stats.new_tensor([float(bl.block_valid_BN.sum()), float(skipped), accepted])
+    expected = float(expected_accepts(stats[2], bl.eval_mask_BNG).sum())
+    valid = float(bl.block_valid_BN.sum())
+    counts = stats.new_tensor([valid, float(skipped), accepted, expected])
     packed = torch.cat([terms_3, mask_BNG.sum(dim=(0, 1)), *per_k, counts])
     if pooled:
         dist.all_reduce(packed, group=group)
-    terms_3, n_G, alpha_G, top1_G, ce_G, calib_G, counts = packed.split([3, G, G, G, G, G, 3])
+    terms_3, n_G, alpha_G, top1_G, ce_G, calib_G, counts = packed.split([3, G, G, G, G, G, 4])
     terms_3 = terms_3 / weight_sum.clamp_min(1e-12)
     w_3 = terms_3.new_tensor([obj.ce_weight, obj.l1_weight, obj.bce_weight])
     alpha_G = alpha_G / n_G
@@ -376,7 +389,7 @@ def pooled_metrics(
         "ce_k": ce_G / n_G,
         "conf_err": calib_G / n_G,
         "tau": 1.0 + counts[2] / counts[0],  # NaN without a valid block
-        "tau_slot_mean": 1.0 + alpha_G.cumprod(dim=0).sum(),
+        "tau_expected": 1.0 + counts[3] / counts[0],
         "valid_blocks": counts[0],
         "supervised_slots": n_G.sum(),
         "weight_sum": weight_sum.detach(),

@@ -66,7 +66,7 @@ class Tracker:
             self._trackio.log(metrics, step=step)
         with self.jsonl.open("a") as f:  # plain copy next to the run, one line per log step
             f.write(json.dumps({"step": step, **metrics}) + "\n")
-        short = {k: metrics[k] for k in ("loss", "tau", "lr") if k in metrics}
+        short = {k: metrics[k] for k in ("loss", "tau", "tau_expected", "lr") if k in metrics}
         self.bar.set_postfix({k: f"{v:.4g}" for k, v in short.items()}, refresh=False)
 
     def advance(self, n: int = 1) -> None:
