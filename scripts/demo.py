@@ -41,7 +41,12 @@ PROMPT_MIX = (
     ("train/sharegpt_sample.json", "conversations", 0, 86),
 )
 # served accept length during training and the confidence calibration of the export
+# Five passes over the 600 on-policy answers (1500 steps, ~3 min here): on held-out prompts
+# one pass (300 steps) gave accept length 2.17 overall, below the n-gram drafter's 2.33;
+# three passes 2.89; five 3.48, above it on every workload (2026-12-02, README).
 TRAIN_EXTRAS = (
+    "train.epochs=5",
+    "train.max_steps=1500",
     "train.served_eval.num_prompts=8",
     "train.served_eval.max_new_tokens=64",
     "export.calibrate_prompts=16",
