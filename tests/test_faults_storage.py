@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,22 +44,14 @@ def _save(engine, root: Path, step: int) -> Path:
     return checkpoint.save(engine, root, TrainState(step=step), Recipe(), 1, {})
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 192 KiB tmpfs (skipped where mounting is not allowed)."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k", "tmpfs", str(disk)])
-    if p.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
-        yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
+REPO = Path(__file__).resolve().parents[1]
+MOUNT = "mount -t tmpfs -o size=192k tmpfs"  # a real, small, full-able filesystem
+NO_MOUNT = 77  # the namespace's shell: mount refused
 
 
-def test_disk_full_keeps_the_previous_checkpoint(small_disk):
-    root = small_disk / "ckpt"
+def check_disk_full(disk: Path) -> None:
+    """On a 192 KiB filesystem at `disk`: a save that does not fit fails whole."""
+    root = Path(disk) / "ckpt"
     first = _save(BlobEngine(100_000), root, 1)
     assert checkpoint.is_complete(first)
     with pytest.raises(CheckpointWriteError) as e:
@@ -72,6 +65,30 @@ def test_disk_full_keeps_the_previous_checkpoint(small_disk):
     assert checkpoint.latest_complete(root) == first  # not pruned, still whole
     assert not (root / "step-2").exists()  # the partial save is gone, its space freed
     assert json.loads((first / "train_state.json").read_text())["step"] == 1
+
+
+def in_own_namespace(disk: Path) -> subprocess.CompletedProcess:
+    """check_disk_full in a user + mount namespace of its own (`unshare -Urm`), where an
+    unprivileged process may mount a tmpfs."""
+    check = "import sys; from tests.test_faults_storage import check_disk_full as c; c(sys.argv[1])"
+    script = f'{MOUNT} "$1" || exit {NO_MOUNT}; exec "$2" -c "$3" "$1"'
+    cmd = ["unshare", "-Urm", "sh", "-c", script, "sh", str(disk), sys.executable, check]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_disk_full_keeps_the_previous_checkpoint(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run([*MOUNT.split(), str(disk)], capture_output=True).returncode == 0:
+        try:
+            check_disk_full(disk)
+        finally:
+            subprocess.run(["umount", "-l", str(disk)], check=False)
+        return
+    r = in_own_namespace(disk)  # no mount rights here: a namespace of its own
+    if r.returncode == NO_MOUNT or r.stderr.startswith("unshare:"):
+        pytest.skip(f"cannot mount a tmpfs here, not even in a user namespace: {r.stderr[-200:]}")
+    assert r.returncode == 0, r.stderr[-3000:]
 
 
 @pytest.mark.parametrize(
