@@ -29,7 +29,7 @@ export VLLM_CACHE_ROOT := $(CURDIR)/.cache/vllm
 export VLLM_NO_USAGE_STATS := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup vllm-venv sglang-venv demo test test-quick lint format bench tiny-target tiny-targets clean
+.PHONY: setup vllm-venv sglang-venv demo quality test test-quick lint format bench tiny-target tiny-targets clean
 
 setup: $(STAMP)
 
@@ -91,6 +91,12 @@ tiny-targets: tiny-target
 
 demo: setup tiny-target
 	$(PY) scripts/demo.py --nproc $(NPROC)
+
+# The learning curve: DSpark at 300, 1000 and 3000 packed steps against the n-gram drafter
+# on the demo's four workloads (runs/quality/summary.json, learning_curve.png/.csv);
+# about 30 minutes, the regenerated data cached in .cache/quality.
+quality: setup tiny-target
+	$(PY) scripts/quality.py --nproc $(NPROC)
 
 # The whole suite (live CPU SGLang and vLLM servers, each in its own venv, and fault drills
 # included); the slowest 15 tests are printed so that the suite's cost stays visible. The

@@ -115,6 +115,15 @@ class Run:
     every checkpoint, checked on resume."""
     lock: object = None
     """Rank 0's RunLock on train.output_dir, held until the process exits."""
+    plan: list | None = None
+    """data.pack: the dataset rows of each packed sequence (training/packing.py)."""
+    pack_of: dict | None = None
+    """data.pack: sample_id -> its packed sequence."""
+
+    @property
+    def units(self) -> int:
+        """What an epoch orders (data_order.py): rows, or packed sequences."""
+        return len(self.dataset) if self.plan is None else len(self.plan)
 
 
 def build(recipe: Recipe, resume: str | None) -> Run:
@@ -130,6 +139,7 @@ def build(recipe: Recipe, resume: str | None) -> Run:
     from specforge_dspark.training.fingerprint import data_fingerprint, features_fingerprint
     from specforge_dspark.training.lifecycle import acquire_run_lock
     from specforge_dspark.training.memory import resolve_recompute
+    from specforge_dspark.training.packing import describe_plan, pack_index, pack_plan, row_lengths
 
     rank, world, device = init_distributed(recipe)
     dirs = resolved_dirs(recipe)
@@ -151,6 +161,14 @@ def build(recipe: Recipe, resume: str | None) -> Run:
     }
     if resume_path is not None:  # the same target and data, before engines are built
         checkpoint.check_saved(resume_path, recipe, world, fingerprint)
+    plan = pack_of = None
+    if recipe.data.pack:  # a function of the prepared data: the same on every rank
+        lengths = row_lengths(dataset)
+        plan = pack_plan(lengths, recipe.data.max_length)
+        pack_of = pack_index(plan, dataset["sample_id"])
+        if rank == 0:
+            print(describe_plan(plan, lengths, recipe.data.max_length), flush=True)
+    units = len(dataset) if plan is None else len(plan)
     eval_set = None
     if recipe.train.eval_interval > 0:
         eval_set = prepare_dataset(recipe, split="eval")
@@ -160,10 +178,11 @@ def build(recipe: Recipe, resume: str | None) -> Run:
             )
     t = recipe.train
     grad_accum = layout.grad_accum if layout else t.grad_accum
-    micro_per_epoch = len(dataset) // (world * t.micro_batch_size)
+    micro_per_epoch = units // (world * t.micro_batch_size)
     if micro_per_epoch < grad_accum:
+        what = "prepared rows" if plan is None else "packed sequences"
         raise ValueError(
-            f"data: {len(dataset)} prepared rows give {micro_per_epoch} micro-batches per rank "
+            f"data: {units} {what} give {micro_per_epoch} micro-batches per rank "
             f"per epoch, fewer than train.grad_accum={grad_accum}; add data or lower it"
         )
     per_epoch = micro_per_epoch // grad_accum
@@ -203,9 +222,9 @@ def build(recipe: Recipe, resume: str | None) -> Run:
     if resume_path is not None:
         state = checkpoint.load(engine, resume_path, recipe, fingerprint)
         state.grad_accum = grad_accum
-        restore_cursor(state, len(dataset), layout.saved_world, world, t.micro_batch_size)
-        left = samples_left(state, len(dataset), world, t.micro_batch_size)
-        said = layout.describe(state.epoch, left, len(dataset), t.grad_accum)
+        restore_cursor(state, units, layout.saved_world, world, t.micro_batch_size)
+        left = samples_left(state, units, world, t.micro_batch_size)
+        said = layout.describe(state.epoch, left, units, t.grad_accum)
         if rank == 0:
             print(f"resumed from {resume_path} at step {state.step}", flush=True)
         if rank == 0 and said:  # what was re-partitioned, or why grad_accum differs
@@ -225,6 +244,8 @@ def build(recipe: Recipe, resume: str | None) -> Run:
         dirs,
         fingerprint,
         lock,
+        plan,
+        pack_of,
     )
 
 
@@ -280,6 +301,7 @@ def objective(run: Run, feats, generator: torch.Generator):
         f.last_hidden,
         run.recipe.objective,
         generator,
+        position_ids_BS=f.position_ids,
     )
 
 
@@ -289,8 +311,11 @@ def train_step(run: Run, feats, micro_step: int, guard):
     are masked out first; a non-finite loss on any rank makes every rank backpropagate a
     NaN surrogate instead, which DeepSpeed's overflow check turns into a skipped update)."""
     from specforge_dspark.training.nonfinite import nan_loss
+    from specforge_dspark.training.packing import pack_features
 
-    feats = guard.screen(feats.to(run.device), micro_step)
+    feats = guard.screen(feats.to(run.device), micro_step)  # per conversation
+    if run.pack_of is not None:  # data.pack: the conversations as their packed sequences
+        feats = pack_features(feats, run.pack_of)
     out = objective(run, feats, anchor_generator(run, micro_step))
     boundary = run.engine.is_gradient_accumulation_boundary()
     loss = guard.check(out.loss, feats.sample_ids, micro_step, boundary)  # collective
@@ -318,12 +343,13 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
     from specforge_dspark.training.tracking import Tracker
 
     r, state, eng = run.recipe, run.state, run.engine
-    n, mb, n_evals = len(run.dataset), r.train.micro_batch_size, 0
+    n, mb, n_evals = run.units, r.train.micro_batch_size, 0
     if r.train.eval_interval:
         n_evals = len(eval_rows(run.eval_set, run.rank, run.world))
     tracker = Tracker(r, run.rank, run.total_steps, state.step, run.dirs["trackio"])
     tracker.write(
-        f"training {run.total_steps} steps on {run.world} rank(s), {len(run.dataset)} rows, "
+        f"training {run.total_steps} steps on {run.world} rank(s), {len(run.dataset)} rows"
+        f"{'' if run.plan is None else f' in {len(run.plan)} packed sequences'}, "
         f"{run.micro_per_epoch} micro-batches per rank per epoch"
     )
     window: list = state.log_window  # carried across a stop (checkpoint.TrainState)
@@ -340,7 +366,7 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
     with stream:
         wait_for_every_rank()  # every node's server answered (its startup_timeout_s)
         preflight_run(run, stream)  # train.preflight_samples > 0: the engine's features checked
-        data = batches(r, run.dataset, run.eval_set, run.rank, run.world, state)
+        data = batches(r, run.dataset, run.eval_set, run.rank, run.world, state, run.plan)
         for feats in stream.iterate(data):
             if state.step >= run.total_steps:
                 break

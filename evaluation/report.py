@@ -241,3 +241,48 @@ def write_report(summary: dict, out: Path) -> None:
     write_csv(summary, out / "per_position.csv")
     write_markdown(summary, out / "report.md")
     write_plots(summary, out)
+
+
+def write_learning_curve(budgets: list[dict], path: Path) -> None:
+    """Accept length against training, per workload and overall (scripts/quality.py's
+    `budgets`: steps, training_tokens, train_seconds and per workload the dspark and ngram
+    accept length with its 95% interval): the top row against supervised training tokens,
+    the bottom row against training wall seconds; the n-gram drafter (no training) as a
+    band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
+
+    workloads = list(budgets[0]["workloads"])
+    fig, axes = plt.subplots(2, len(workloads), figsize=(3.2 * len(workloads), 6), squeeze=False)
+    for col, w in enumerate(workloads):
+        cells = [b["workloads"][w] for b in budgets]
+        mean = [c["dspark"]["accept_length"] for c in cells]
+        ci = [c["dspark"]["accept_length_ci"] for c in cells]
+        err = [[m - lo for m, (lo, _) in zip(mean, ci, strict=True)],
+               [hi - m for m, (_, hi) in zip(mean, ci, strict=True)]]  # fmt: skip
+        ngram = cells[-1]["ngram"]
+        for row, (key, label) in enumerate(
+            (("training_tokens", "supervised tokens trained"), ("train_seconds", "training s"))
+        ):
+            ax = axes[row][col]
+            xs = [b[key] for b in budgets]
+            ax.errorbar(xs, mean, yerr=err, fmt="o-", capsize=3, label="dspark")
+            for x, m, b in zip(xs, mean, budgets, strict=True):
+                ax.annotate(f"{b['steps']}", (x, m), fontsize=7,
+                            textcoords="offset points", xytext=(4, -10))  # fmt: skip
+            lo, hi = ngram["accept_length_ci"]
+            ax.axhspan(lo, hi, color="grey", alpha=0.25)
+            ax.axhline(ngram["accept_length"], color="k", ls="--", lw=1, label="n-gram")
+            ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.set(xlabel=label, title=w if row == 0 else None)
+            if col == 0:
+                ax.set_ylabel("accept length")
+                ax.legend(fontsize=7)
+    fig.suptitle("Accept length vs training (95% CI; labels: steps)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

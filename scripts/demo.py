@@ -54,12 +54,12 @@ TRAIN_EXTRAS = (
 )
 
 
-def prompt_mix(out: Path) -> Path:
-    """PROMPT_MIX as one jsonl of user turns (OpenAI messages) for the regeneration."""
+def prompt_mix(out: Path, mix: tuple = PROMPT_MIX) -> Path:
+    """`mix` as one jsonl of user turns (OpenAI messages) for the regeneration."""
     from specforge_dspark.tiny_target import SHARED_DATA
 
     rows = []
-    for rel, field, first, count in PROMPT_MIX:
+    for rel, field, first, count in mix:
         path = SHARED_DATA / rel
         if path.suffix == ".json":  # ShareGPT: the first human turn
             data = json.loads(path.read_text())
@@ -76,7 +76,8 @@ def prompt_mix(out: Path) -> Path:
 
 
 def _evaluate_part(workloads: tuple[str, ...], drafts: dict, kw: dict, part: int) -> dict:
-    """One evaluation process: every drafter on `workloads`, sharing the greedy references."""
+    """One evaluation process: every drafter of `drafts` (name -> exported directory, or
+    ("ngram", block size)) on `workloads`, sharing the greedy references."""
     import torch
 
     from evaluation.acceptance import evaluate
@@ -88,8 +89,7 @@ def _evaluate_part(workloads: tuple[str, ...], drafts: dict, kw: dict, part: int
         kw["target_path"], list(workloads), kw["num_prompts"], kw["max_new_tokens"]
     )
     out = {}
-    for name in DRAFTERS:
-        draft = drafts[name]
+    for name, draft in drafts.items():
         draft = NgramDrafter(draft[1]) if isinstance(draft, tuple) else draft
         out_dir = Path(kw["out"]) / f"eval_{name}" / f"part{part}"
         rest = {k: v for k, v in kw.items() if k != "out"}
@@ -134,6 +134,23 @@ def pool(parts: list[dict], eval_dir: Path) -> dict:
     summary = {**parts[0], "workloads": workloads, "overall": overall}
     (eval_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def evaluate_split(drafts: dict, workloads: list[str], kw: dict) -> dict[str, dict]:
+    """Every drafter of `drafts` on `workloads`, in EVAL_SPLIT's processes of one thread
+    each; the pooled summary per drafter (eval_<name>/ under kw["out"])."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    split_by = [tuple(w for w in part if w in workloads) for part in EVAL_SPLIT]
+    split_by += [tuple(w for w in workloads if not any(w in part for part in EVAL_SPLIT))]
+    split_by = [part for part in split_by if part]
+    os.environ["OMP_NUM_THREADS"] = "1"  # for the evaluation processes
+    with ProcessPoolExecutor(len(split_by), mp_context=mp.get_context("spawn")) as ex:
+        jobs = [ex.submit(_evaluate_part, part, drafts, kw, i) for i, part in enumerate(split_by)]
+        parts = [job.result() for job in jobs]
+    out = Path(kw["out"])
+    return {name: pool([p[name] for p in parts], out / f"eval_{name}") for name in drafts}
 
 
 def step(title: str) -> None:
@@ -294,9 +311,6 @@ def main(argv: list[str] | None = None) -> int:
 
     step("4/4 acceptance by speculative decoding (held-out prompts)")
     t = time.time()
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
-
     from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
 
     untrained_dir = out / "untrained_draft"
@@ -310,15 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     workloads = a.workloads.split(",")
     kw = dict(target_path=str(target), num_prompts=a.num_prompts,
               max_new_tokens=a.max_new_tokens, out=str(out))  # fmt: skip
-    split_by = [tuple(w for w in part if w in workloads) for part in EVAL_SPLIT]
-    split_by = [part for part in split_by if part]
-    split_by += [tuple(w for w in workloads if not any(w in part for part in EVAL_SPLIT))]
-    split_by = [part for part in split_by if part]
-    os.environ["OMP_NUM_THREADS"] = "1"  # for the evaluation processes
-    with ProcessPoolExecutor(len(split_by), mp_context=mp.get_context("spawn")) as ex:
-        jobs = [ex.submit(_evaluate_part, part, drafts, kw, i) for i, part in enumerate(split_by)]
-        parts = [job.result() for job in jobs]
-    results = {name: pool([p[name] for p in parts], out / f"eval_{name}") for name in DRAFTERS}
+    results = evaluate_split(drafts, workloads, kw)
     split["evaluation"] = time.time() - t
     print_table(results, workloads)
 

@@ -124,6 +124,9 @@ class DataRecipe:
     response_field: str = "answer"
     system_prompt: str = ""
     max_length: int = 4096
+    pack: bool = False
+    """Train several conversations per sequence of at most max_length tokens (each its own
+    target request; attention never crosses a conversation: training/packing.py)."""
     max_rows: int = 0
     """Use at most this many rows per file (0 = all)."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -71,6 +71,7 @@ def test_compatible_resume_allows_logging_and_path_changes(tmp_path):
         ({"train": {"seed": 3}}, "train.seed"),
         ({"train": {"max_steps": 5}}, "train.max_steps"),
         ({"data": {"max_length": 100}}, "data.max_length"),
+        ({"data": {"pack": True}}, "data.pack: False -> True"),
     ],
 )
 def test_resume_refuses_training_changes_naming_the_field(tmp_path, change, field):
@@ -78,6 +79,14 @@ def test_resume_refuses_training_changes_naming_the_field(tmp_path, change, fiel
     with pytest.raises(ck.ResumeError) as e:
         ck.check_compatible(_meta(saved), recipe_from_dict(change), 2, tmp_path)
     assert field in str(e.value)
+
+
+def test_a_checkpoint_older_than_a_recipe_key_resumes_at_its_default(tmp_path):
+    meta = _meta(recipe_from_dict({}))
+    del meta["recipe"]["data"]["pack"]  # saved before data.pack existed: it did not pack
+    ck.check_compatible(meta, recipe_from_dict({}), 2, tmp_path)
+    with pytest.raises(ck.ResumeError, match="data.pack: None -> True"):
+        ck.check_compatible(meta, recipe_from_dict({"data": {"pack": True}}), 2, tmp_path)
 
 
 def test_resume_refuses_other_world_size_and_format(tmp_path):

@@ -1,11 +1,12 @@
-"""Benchmarks: `python -m specforge_dspark.bench objective|step|stream|capture|prepare|all [args]`.
+"""Benchmarks: `python -m specforge_dspark.bench NAME|all [args]`, NAME one of BENCHES.
 
 Each benchmark is a function `bench_main(argv: list[str] | None = None) -> int` in its own
 module (table below), imported only when asked for; extra arguments after the name go to
 it. `all` runs every benchmark with its defaults and says which ones are not available.
 
 objective: bench/objective.py; step: bench/step.py (one whole train step, optionally beside
-another checkout's); stream: bench/stream.py; capture: bench/capture.py (a live CPU SGLang
+another checkout's); stream: bench/stream.py; pack: bench/pack.py (training runs
+with and without data.pack); capture: bench/capture.py (a live CPU SGLang
 server, with vs without feature capture); prepare: data_pipelines/prepare.py.
 """
 
@@ -18,6 +19,7 @@ BENCHES = {
     "objective": ("specforge_dspark.bench.objective", "bench_main"),
     "step": ("specforge_dspark.bench.step", "bench_main"),
     "stream": ("specforge_dspark.bench.stream", "bench_main"),
+    "pack": ("specforge_dspark.bench.pack", "bench_main"),
     "capture": ("specforge_dspark.bench.capture", "bench_main"),
     "prepare": ("data_pipelines.prepare", "bench_main"),
 }

@@ -1,4 +1,4 @@
-"""`python -m specforge_dspark.bench objective|step|stream|capture|prepare|all [args]`."""
+"""`python -m specforge_dspark.bench objective|step|stream|pack|capture|prepare|all [args]`."""
 
 import sys
 

@@ -175,15 +175,18 @@ def build_dflash_masks(
     ctx_valid_BS: torch.Tensor,
     block_size: int,
     sliding_window: int,
+    starts_BN: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Visibility `[B, N*G, S + N*G]` (True = visible) per layer type.
 
-    full_attention: `layers.build_visibility_mask` (context c < anchor, bidirectional inside
-    the block). sliding_attention: that AND causal (key position <= query position) AND
-    inside the window (key position >= query position - (sliding_window - 1)); the
-    positions are a+k for slot k of the block anchored at a, c for context key c.
+    full_attention: `layers.build_visibility_mask` (context starts <= c < anchor,
+    bidirectional inside the block). sliding_attention: that AND causal (key position <=
+    query position) AND inside the window (key position >= query position -
+    (sliding_window - 1)); the positions are a+k for slot k of the block anchored at a, c
+    for context key c (row indices: inside one packed conversation their differences are
+    those of its own positions).
     """
-    full = build_visibility_mask(anchors_BN, block_valid_BN, ctx_valid_BS, block_size)
+    full = build_visibility_mask(anchors_BN, block_valid_BN, ctx_valid_BS, block_size, starts_BN)
     masks = {"full_attention": full}
     if sliding_window > 0:
         B, N = anchors_BN.shape
@@ -223,11 +226,17 @@ class DFlashDraft(nn.Module):
         return context_features(self.fc, self.hidden_norm, aux_hidden_BSD)
 
     def masks(
-        self, anchors_BN: torch.Tensor, block_valid_BN: torch.Tensor, ctx_valid_BS: torch.Tensor
+        self,
+        anchors_BN: torch.Tensor,
+        block_valid_BN: torch.Tensor,
+        ctx_valid_BS: torch.Tensor,
+        starts_BN: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         cfg = self.config
         window = cfg.sliding_window if "sliding_attention" in cfg.layer_types else 0
-        return build_dflash_masks(anchors_BN, block_valid_BN, ctx_valid_BS, cfg.block_size, window)
+        return build_dflash_masks(
+            anchors_BN, block_valid_BN, ctx_valid_BS, cfg.block_size, window, starts_BN
+        )
 
     def context_kv(self, ctx_BSH: torch.Tensor, ctx_pos_BS: torch.Tensor) -> ContextKV:
         """Each layer's context keys and values (`layers.context_kv`), for `decode`."""

@@ -213,11 +213,15 @@ class DSparkDraft(nn.Module):
         return self.config.block_size
 
     def masks(
-        self, anchors_BN: torch.Tensor, block_valid_BN: torch.Tensor, ctx_valid_BS: torch.Tensor
+        self,
+        anchors_BN: torch.Tensor,
+        block_valid_BN: torch.Tensor,
+        ctx_valid_BS: torch.Tensor,
+        starts_BN: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The attention mask `forward` takes for these blocks (`build_visibility_mask`)."""
         G = self.config.block_size
-        return build_visibility_mask(anchors_BN, block_valid_BN, ctx_valid_BS, G)
+        return build_visibility_mask(anchors_BN, block_valid_BN, ctx_valid_BS, G, starts_BN)
 
     def context(self, aux_hidden_BSD: torch.Tensor) -> torch.Tensor:
         """Shared context features `[B, S, H]` = hidden_norm(fc(aux)), D = m*H."""

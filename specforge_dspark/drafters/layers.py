@@ -156,18 +156,22 @@ def build_visibility_mask(
     block_valid_BN: torch.Tensor,
     ctx_valid_BS: torch.Tensor,
     block_size: int,
+    starts_BN: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Who each block query may attend to: bool `[B, N*G, S + N*G]`, True = visible.
 
-    Context key c is visible to block j iff c < anchors[j], ctx_valid[c] and
-    block_valid[j] (the anchor itself has no hidden state yet). Block keys are visible
-    iff in the same block and the block is valid (bidirectional inside a block); blocks
-    never see each other.
+    Context key c is visible to block j iff starts[j] <= c < anchors[j], ctx_valid[c] and
+    block_valid[j] (the anchor itself has no hidden state yet; `starts_BN`: the first
+    position of each anchor's conversation in a packed row, training/packing.py; None =
+    0). Block keys are visible iff in the same block and the block is valid
+    (bidirectional inside a block); blocks never see each other.
     """
     B, N = anchors_BN.shape
     S, G = ctx_valid_BS.shape[1], block_size
     c_S = torch.arange(S, device=anchors_BN.device)
     ctx_BNS = (c_S < anchors_BN[..., None]) & ctx_valid_BS[:, None, :].bool()
+    if starts_BN is not None:
+        ctx_BNS = ctx_BNS & (c_S >= starts_BN[..., None])
     ctx_BNS = ctx_BNS & block_valid_BN[..., None].bool()
     ctx_BQS = ctx_BNS[:, :, None, :].expand(B, N, G, S).reshape(B, N * G, S)
     block_of_Q = torch.arange(N * G, device=anchors_BN.device) // G

@@ -39,7 +39,8 @@ class DrafterKind:
     network: type[nn.Module]
     """Network built from the config; `from_pretrained(path)` loads an exported one."""
     loss: Callable[..., LossOutput]
-    """`compute_loss`'s signature: (draft, head, ids, mask, aux, last, obj, generator, group)."""
+    """`compute_loss`'s signature: (draft, head, ids, mask, aux, last, obj, generator, group,
+    position_ids_BS)."""
     architecture: str
     """The config.json `architectures` entry SGLang serves this kind as."""
 

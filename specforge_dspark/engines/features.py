@@ -88,6 +88,10 @@ class TargetFeatures:
     aux_hidden: torch.Tensor  # [B, S, m*H]
     last_hidden: torch.Tensor  # [B, S, H]
     copy_done: torch.cuda.Event | None = None  # set by `to` on a host -> GPU copy
+    position_ids: torch.Tensor | None = None
+    """[B, S] int64 for packed rows (training/packing.py: several conversations per row,
+    positions restarting at 0 in each; `sample_ids` then lists them all, row by row);
+    None: one sequence per row, positions 0 .. S-1."""
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> TargetFeatures:
         """These features on `device`. Host -> GPU (CUDA present) is asynchronous whatever
@@ -108,6 +112,7 @@ class TargetFeatures:
             move(self.lengths),
             move(self.aux_hidden),
             move(self.last_hidden),
+            position_ids=None if self.position_ids is None else move(self.position_ids),
         )
 
 
@@ -129,7 +134,8 @@ def _to_gpu(f: TargetFeatures, device: torch.device) -> TargetFeatures:
     done = side.record_event()
     main.wait_event(done)
     note_read(host, done)
-    return TargetFeatures(list(f.sample_ids), *moved, copy_done=done)
+    pos = None if f.position_ids is None else f.position_ids.to(main.device)
+    return TargetFeatures(list(f.sample_ids), *moved, copy_done=done, position_ids=pos)
 
 
 @dataclass

@@ -62,6 +62,7 @@ def compute_loss(
     obj: ObjectiveRecipe,
     generator: torch.Generator | None = None,
     group: dist.ProcessGroup | None = None,
+    position_ids_BS: Tensor | None = None,
 ) -> LossOutput:
     """Sample `obj.num_anchors` anchors per sequence (`generator`: a CPU generator), then
     `compute_loss_at`."""
@@ -77,6 +78,7 @@ def compute_loss(
         block_valid_BN,
         obj,
         group,
+        position_ids_BS,
     )
 
 
@@ -91,6 +93,7 @@ def compute_loss_at(
     block_valid_BN: Tensor,
     obj: ObjectiveRecipe,
     group: dist.ProcessGroup | None = None,
+    position_ids_BS: Tensor | None = None,
 ) -> LossOutput:
     """Loss and metrics of one micro-step at the given anchors.
 
@@ -103,6 +106,9 @@ def compute_loss_at(
     `build_blocks` with G slots says (label x[a+k+1], teacher last_hidden[a+k]).
     group: the data-parallel group; None = the default group when torch.distributed is
     initialised, else no pooling. Every rank must call this once per micro-step.
+    position_ids_BS: packed rows (training/packing.py): each token's position in its own
+    conversation; a block's context then starts at its conversation's first token and its
+    rows sit at the conversation's positions. None: one sequence per row.
     """
     cfg = draft.config
     R, G = cfg.block_size, draft.num_drafts
@@ -124,6 +130,11 @@ def compute_loss_at(
         input_ids_BS, loss_mask_BS, anchors_BN, block_valid_BN, G, cfg.mask_token_id, obj.gamma
     )
     ids_BNR, pos_BNR = block_inputs(input_ids_BS, anchors_BN, R, cfg.mask_token_id)
+    ctx_pos_BS, starts_BN = torch.arange(S, device=input_ids_BS.device).expand(B, S), None
+    if position_ids_BS is not None:  # packed: positions and context per conversation
+        ctx_pos_BS = position_ids_BS
+        starts_BN = anchors_BN - position_ids_BS.gather(1, anchors_BN)
+        pos_BNR = pos_BNR - starts_BN[..., None]
     X = B * N
     chunk = X if obj.chunk_size <= 0 else min(obj.chunk_size, X)  # blocks per vocab chunk
 
@@ -136,14 +147,14 @@ def compute_loss_at(
     # blocks about `obj.decode_chunk_size` blocks at a time over them, each chunk
     # checkpointed when recomputing (the context K/V are its inputs: not recomputed).
     ctx_BSH = draft.context(aux_hidden_BSD)
-    ctx_pos_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
     ctx_valid_BS = torch.ones_like(loss_mask_BS, dtype=torch.bool)
     kv_ctx = draft.context_kv(ctx_BSH, ctx_pos_BS)
     with torch.no_grad():
         emb_BNRH = head.embed(ids_BNR).to(ctx_BSH.dtype)
 
     def decode(lo: int, hi: int, *kv_flat: Tensor) -> Tensor:
-        mask = draft.masks(anchors_BN[:, lo:hi], block_valid_BN[:, lo:hi], ctx_valid_BS)
+        starts = None if starts_BN is None else starts_BN[:, lo:hi]
+        mask = draft.masks(anchors_BN[:, lo:hi], block_valid_BN[:, lo:hi], ctx_valid_BS, starts)
         kv = list(zip(kv_flat[::2], kv_flat[1::2], strict=True))
         h_BnRH = draft.decode(kv, emb_BNRH[:, lo:hi], pos_BNR[:, lo:hi], mask)
         return h_BnRH[:, :, R - G :]  # the drafting rows

@@ -88,8 +88,15 @@ class BlockDrafter(Protocol):
 
     def context(self, aux_hidden_BSD: Tensor) -> Tensor: ...
 
-    def masks(self, anchors_BN: Tensor, block_valid_BN: Tensor, ctx_valid_BS: Tensor) -> Any:
-        """The attention-mask argument of `__call__` for these blocks."""
+    def masks(
+        self,
+        anchors_BN: Tensor,
+        block_valid_BN: Tensor,
+        ctx_valid_BS: Tensor,
+        starts_BN: Tensor | None = None,
+    ) -> Any:
+        """The attention-mask argument of `__call__` for these blocks (context keys from
+        `starts_BN`, each block's conversation start in a packed row; None = 0)."""
 
     def __call__(
         self, ctx_BSH: Tensor, ctx_pos_BS: Tensor, emb_BNRH: Tensor, pos_BNR: Tensor, masks: Any

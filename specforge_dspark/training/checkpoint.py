@@ -191,6 +191,9 @@ def check_compatible(
     except ValueError as e:
         raise ResumeError(f"{path}: {e}") from None
     old, new = _flatten(saved["recipe"]), _flatten(recipe.to_dict())
+    for k, v in _flatten(Recipe().to_dict()).items():  # a key added since, at its default
+        if k not in old and new.get(k) == v:
+            old[k] = v
     changed = [
         k
         for k in sorted(set(old) | set(new))

@@ -11,6 +11,9 @@ any world size: a run resumed on W' ranks continues with perm_e[epoch_samples:] 
 W' ranks, and every sample of the epoch is still trained at most once, in the same order
 (exactly once when n - epoch_samples is a multiple of W' * mb). On an unchanged world size
 the order is what it always was: shard r = perm_e[r::world], micro-batch j = shard[j*mb:].
+
+With data.pack the samples ordered are the packs of training/packing.py (`plan`: the rows of
+each), n is their count, and a micro-batch lists the rows of its packs in order.
 """
 
 from __future__ import annotations
@@ -67,14 +70,19 @@ def eval_rows(eval_set, rank: int, world: int) -> range:
     return range(rank, n, world)
 
 
-def batches(recipe, dataset, eval_set, rank: int, world: int, state) -> Iterator[list]:
-    """Micro-batches of this rank from where `state` (TrainState) stands onwards.
+def batches(
+    recipe, dataset, eval_set, rank: int, world: int, state, plan: list[list[int]] | None = None
+) -> Iterator[list]:
+    """Micro-batches of this rank from where `state` (TrainState) stands onwards; with a
+    packing `plan`, the samples ordered are its packs.
 
     Every train.eval_interval optimizer steps (of `state.grad_accum` micro steps) the eval
     rows follow (ids >= EVAL_ID), one per batch; a run resumed at such a step starts with
     them (the stopped run saved before them). `state` is read once: the stream runs ahead.
     """
-    t, n, mb = recipe.train, len(dataset), recipe.train.micro_batch_size
+    t, mb = recipe.train, recipe.train.micro_batch_size
+    n = len(dataset) if plan is None else len(plan)
+    rows_of = (lambda u: (u,)) if plan is None else plan.__getitem__
     every, grad_accum = t.eval_interval, state.grad_accum
     cursor = _Cursor(state.epoch, state.epoch_samples)
     step, micro = state.step, 0
@@ -86,7 +94,7 @@ def batches(recipe, dataset, eval_set, rank: int, world: int, state) -> Iterator
         epoch = cursor.epoch
         while cursor.epoch == epoch:
             rows = micro_rows(perm, cursor.epoch_samples, rank, world, mb)
-            yield [_sample(dataset[r]) for r in rows]
+            yield [_sample(dataset[r]) for u in rows for r in rows_of(u)]
             advance(cursor, n, world, mb)
             micro += 1
             if micro % grad_accum == 0:
