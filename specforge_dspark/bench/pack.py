@@ -8,10 +8,10 @@ supervised_tokens_per_step: the supervised tokens of the micro-batches trained (
 checkpoint's token count / steps); anchor_tokens_per_s: supervised drafted slots (the
 objective's `supervised_slots`, what the loss is computed on) per second of the training
 loop (train.py's `done:` line: features, forward, backward and optimizer, after start-up);
-fill: the share of the sequences' max_length that holds tokens. Packed rows give each
-step more context per anchor budget; `--anchors` sets the packed runs' num_anchors (the
-baseline keeps the recipe's, 64), e.g. 64 and 128 for the same anchors per sequence and
-about the same per conversation.
+fill (packed runs): the share of the sequences' max_length budget their tokens use.
+Packed rows give each step more context per anchor budget; `--anchors` sets the packed
+runs' num_anchors (the baseline keeps the recipe's, 64), e.g. 64 and 128 for the same
+anchors per sequence and about the same per conversation.
 """
 
 from __future__ import annotations
@@ -47,13 +47,13 @@ def run(out: Path, steps: int, packed: bool, anchors: int | None) -> dict:
     state = json.loads((out / "ckpt" / f"step-{steps}" / "train_state.json").read_text())
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     slots = sum(m["supervised_slots"] for m in logged if "supervised_slots" in m)
-    fill = re.search(r"(\d+)% full; unpacked (\d+)%", p.stdout)
+    fill = re.search(r"using (\d+)% of their max_length", p.stdout)  # packed runs only
     seconds = float(took[2])
     return {
         "s_per_step": seconds / steps,
         "supervised_tokens_per_step": state["tokens"] / steps,
         "anchor_tokens_per_s": slots / seconds,
-        "fill": (int(fill[1]) if packed else int(fill[2])) / 100 if fill else None,
+        "fill": int(fill[1]) / 100 if fill else None,
     }
 
 

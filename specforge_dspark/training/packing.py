@@ -128,11 +128,13 @@ def row_lengths(dataset) -> list[int]:
 
 
 def describe_plan(plan: list[list[int]], lengths: Sequence[int], capacity: int) -> str:
-    """One line: how many rows went into how many sequences, and how full they are."""
+    """One line: how many rows went into how many sequences, and what share of the
+    max_length token budget they use (packed, and with one row per sequence)."""
     tokens = sum(lengths)
     fill = tokens / max(len(plan) * capacity, 1)
+    alone = tokens / max(len(lengths) * capacity, 1)
     return (
         f"data.pack: {len(lengths)} rows in {len(plan)} sequences of at most {capacity} "
-        f"tokens ({len(lengths) / max(len(plan), 1):.2f} rows per sequence, {fill:.0%} full; "
-        f"unpacked {tokens / max(len(lengths) * capacity, 1):.0%})"
+        f"tokens ({len(lengths) / max(len(plan), 1):.2f} rows per sequence, using {fill:.0%} of "
+        f"their max_length; one row per sequence uses {alone:.0%})"
     )
