@@ -125,7 +125,8 @@ class OpenAIBackend:
 
 
 class HFBackend:
-    """Batched greedy/sampled `generate` on the local target (left padding)."""
+    """Batched greedy/sampled `generate` on the local target (left padding); an answer
+    may open with sampled tokens (data.regenerate.opening_tokens)."""
 
     def __init__(self, target_path: str, rc, device: str = "cpu") -> None:
         import torch
@@ -151,30 +152,53 @@ class HFBackend:
         ids = self.tok.convert_tokens_to_ids([text])
         return ids[0] if ids and ids[0] != self.tok.unk_token_id else None
 
-    def answer_batch(self, conversations: list[list[dict]]) -> list[Answer]:
-        rc = self.rc
-        texts = [
-            self.tok.apply_chat_template(
-                m, tokenize=False, add_generation_prompt=True, **rc.chat_template_kwargs
-            )
-            for m in conversations
-        ]
-        enc = self.tok(texts, add_special_tokens=False, return_tensors="pt", padding=True)
-        enc = {k: v.to(self.device) for k, v in enc.items()}
-        sample = rc.temperature > 0
-        kwargs = {"temperature": rc.temperature, "top_p": rc.top_p} if sample else {}
-        with self.torch.no_grad():
-            out = self.model.generate(
-                **enc,
-                max_new_tokens=rc.max_new_tokens,
-                do_sample=sample,
-                pad_token_id=self.tok.pad_token_id,
-                **kwargs,
-            )
-        new = out[:, enc["input_ids"].shape[1] :].tolist()
-        answers = [self._parse(ids) for ids in new]
-        self.generated_tokens += sum(self._length(ids) for ids in new)
+    def answer_batch(
+        self, conversations: list[list[dict]], openings: list[int] | None = None
+    ) -> list[Answer]:
+        """One answer per conversation; `openings[i]` > 0 opens answer i with that many
+        sampled tokens (rc.opening_temperature) before the configured decoding."""
+        openings = openings or [0] * len(conversations)
+        answers: list[Answer | None] = [None] * len(conversations)
+        for k in sorted(set(openings)):
+            rows = [i for i, o in enumerate(openings) if o == k]
+            texts = [
+                self.tok.apply_chat_template(
+                    conversations[i], tokenize=False, add_generation_prompt=True,
+                    **self.rc.chat_template_kwargs,
+                )
+                for i in rows
+            ]  # fmt: skip
+            enc = self.tok(texts, add_special_tokens=False, return_tensors="pt", padding=True)
+            new = self.generate_ids(enc["input_ids"], enc["attention_mask"], k)
+            self.generated_tokens += sum(self._length(ids) for ids in new)
+            for i, ids in zip(rows, new, strict=True):
+                answers[i] = self._parse(ids)
         return answers
+
+    def generate_ids(self, ids_BS, mask_BS, opening: int = 0) -> list[list[int]]:
+        """The new token ids of each left-padded prompt row, at most rc.max_new_tokens:
+        the first `opening` sampled from the full distribution at rc.opening_temperature,
+        the rest decoded as configured (greedy at temperature 0)."""
+        torch, rc = self.torch, self.rc
+        ids_BS, mask_BS = ids_BS.to(self.device), mask_BS.to(self.device)
+        prompt_len, budget = ids_BS.shape[1], rc.max_new_tokens
+        with torch.no_grad():
+            if opening:
+                ids_BS = self.model.generate(
+                    input_ids=ids_BS, attention_mask=mask_BS, max_new_tokens=opening,
+                    do_sample=True, temperature=rc.opening_temperature, top_p=1.0, top_k=0,
+                    pad_token_id=self.tok.pad_token_id,
+                )  # fmt: skip
+                grown = ids_BS.shape[1] - mask_BS.shape[1]  # < opening if every row ended
+                mask_BS = torch.cat([mask_BS, mask_BS.new_ones(len(mask_BS), grown)], dim=1)
+                budget -= grown
+            sample = rc.temperature > 0
+            kwargs = {"temperature": rc.temperature, "top_p": rc.top_p} if sample else {}
+            out = self.model.generate(
+                input_ids=ids_BS, attention_mask=mask_BS, max_new_tokens=budget,
+                do_sample=sample, pad_token_id=self.tok.pad_token_id, **kwargs,
+            )  # fmt: skip
+        return out[:, prompt_len:].tolist()
 
     def _length(self, ids: list[int]) -> int:
         stop = next((k for k, t in enumerate(ids) if t in self.eos_ids), None)

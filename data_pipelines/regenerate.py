@@ -3,6 +3,7 @@
     python -m data_pipelines.regenerate --recipe R --input FILE --out FILE
         [--backend hf|openai] [--url URL] [--concurrency N] [--batch-size N]
         [--max-new-tokens N] [--temperature T] [--top-p P] [--chat-template-kwargs JSON]
+        [--samples N --opening-tokens K [--opening-temperature T]]
         [--errors FILE] [--retry-errors] [key.sub=value ...]
 
 Input rows are read like `prepare` reads them (sharegpt, messages, pairs, or MT-Bench
@@ -10,8 +11,11 @@ style `{"turns": [str, ...]}`); only the system and user turns are kept. The use
 are answered in order, each conditioned on the target's own earlier answers. Output rows
 (OpenAI messages, ready for `prepare`): `{"id", "source", "messages", "finish_reasons"}`
 with any reasoning in the assistant turns' `reasoning_content`. The row id is the
-input's `id` field, else "file:row". Output is exactly-once and resumable (see
-journal.py): rerun the same command after a crash or kill to finish the job. Rows that
+input's `id` field, else "file:row"; with `--samples N` the further answers to a row are
+rows "<id>#1" .. "<id>#N-1", each answer of which opens with K tokens sampled at the
+opening temperature and continues as configured (greedy by default: the target's own
+greedy trajectories from N-1 more starting points). Output is exactly-once and resumable
+(see journal.py): rerun the same command after a crash or kill to finish the job. Rows that
 cannot be done go to the errors file with a reason; when many rows in a row fail for
 transient reasons (server down) the run stops with exit status 1 instead of failing
 every row, and a rerun retries them. Defaults come from the recipe's `data.regenerate`
@@ -52,6 +56,9 @@ class Job:
     source: str
     prompts: list[Message]
     """An optional system turn, then the user turns, in order."""
+    opening: int = 0
+    """Tokens of each answer sampled at the opening temperature before the configured
+    decoding takes over (0: all of it as configured)."""
 
 
 def prompts_of(value, cfg: FormatConfig) -> list[Message]:
@@ -90,8 +97,13 @@ def prompts_of(value, cfg: FormatConfig) -> list[Message]:
     return keep
 
 
-def jobs(files: list[str], cfg: FormatConfig, journal: Journal, max_rows: int) -> Iterator[Job]:
-    """Rows still to do; unusable rows go to the errors file (once) and are skipped."""
+def jobs(
+    files: list[str], cfg: FormatConfig, journal: Journal, max_rows: int, rc=None
+) -> Iterator[Job]:
+    """Answers still to do: per input row, `rc.samples` of them (the first as configured,
+    the others opened by `rc.opening_tokens` sampled tokens, ids "<id>#k"). Unusable
+    rows go to the errors file (once) and are skipped."""
+    samples, opening = (rc.samples, rc.opening_tokens) if rc is not None else (1, 0)
     seen: set[str] = set()
     for path in files:
         taken = 0
@@ -112,15 +124,20 @@ def jobs(files: list[str], cfg: FormatConfig, journal: Journal, max_rows: int) -
                     journal.error(rid, raw.source, "duplicate_id", f"id {dup!r}")
                 continue
             seen.add(rid)
-            if journal.is_done(rid):
-                continue
-            if raw.error:
-                journal.error(rid, raw.source, *raw.error)
+            ids = [rid] + [f"{rid}#{k}" for k in range(1, samples)]
+            todo = [i for i in ids if not journal.is_done(i)]
+            if not todo:
                 continue
             try:
-                yield Job(rid, raw.source, prompts_of(value, cfg))
+                problem, prompts = raw.error, prompts_of(value, cfg) if not raw.error else []
             except RowError as e:
-                journal.error(rid, raw.source, e.reason, e.detail)
+                problem = (e.reason, e.detail)
+            if problem:  # reported once, under the row's own id
+                if not journal.is_done(rid):
+                    journal.error(rid, raw.source, *problem)
+                continue
+            for i in todo:
+                yield Job(i, raw.source, prompts, 0 if i == rid else opening)
 
 
 class _Conversation:
@@ -220,7 +237,9 @@ def run_hf(todo: Iterator[Job], backend, batch_size: int, journal: Journal, bar)
         convs = [_Conversation(j) for j in batch]
         while asking := [c for c in convs if c.advance()]:
             try:
-                answers = backend.answer_batch([c.history for c in asking])
+                answers = backend.answer_batch(
+                    [c.history for c in asking], [c.job.opening for c in asking]
+                )
             except Exception as e:  # fails these rows (retried on resume), not the run...
                 for c in asking:
                     c.error = RequestError("generate_failed", f"{type(e).__name__}: {e}")
@@ -251,11 +270,11 @@ def _batches(todo: Iterator[Job], size: int) -> Iterator[list[Job]]:
         yield batch
 
 
-def _total(files: list[str], max_rows: int) -> int | None:
+def _total(files: list[str], max_rows: int, samples: int = 1) -> int | None:
     counts = [count_rows(f) for f in files]
     if any(c is None for c in counts):
         return None
-    return sum(min(c, max_rows) if max_rows else c for c in counts)
+    return samples * sum(min(c, max_rows) if max_rows else c for c in counts)
 
 
 def _check(rc, target_path: str, files: list[str]) -> str | None:
@@ -271,6 +290,22 @@ def _check(rc, target_path: str, files: list[str]) -> str | None:
         return "--url (data.regenerate.url) is needed for the openai backend"
     if rc.backend == "hf" and not target_path:
         return "target.path is needed for the hf backend"
+    if rc.samples < 1 or rc.opening_tokens < 0:
+        return "--samples must be >= 1 and --opening-tokens >= 0 (data.regenerate.*)"
+    if rc.samples > 1 and rc.opening_tokens == 0 and rc.temperature == 0:
+        return (
+            "--samples > 1 at temperature 0 without --opening-tokens repeats the first answer; "
+            "set --opening-tokens (or --temperature)"
+        )
+    if rc.opening_tokens and not 0 < rc.opening_tokens < rc.max_new_tokens:
+        return "--opening-tokens must be below --max-new-tokens"
+    if rc.opening_tokens and rc.opening_temperature <= 0:
+        return "--opening-temperature must be > 0"
+    if rc.opening_tokens and rc.samples > 1 and rc.backend != "hf":
+        return (
+            "--opening-tokens needs the hf backend: a chat server cannot continue a partial "
+            "answer token-exactly (use --temperature for several answers per prompt there)"
+        )
     return None
 
 
@@ -292,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int)
     ap.add_argument("--temperature", type=float)
     ap.add_argument("--top-p", type=float)
+    ap.add_argument("--samples", type=int, help="answers per prompt (default 1)")
+    ap.add_argument("--opening-tokens", type=int, help="sampled tokens opening answers 2..N")
+    ap.add_argument("--opening-temperature", type=float, help="their temperature (1.0)")
     ap.add_argument("--chat-template-kwargs", type=json.loads, help='JSON, e.g. {"x": 1}')
     ap.add_argument("--timeout", type=float, dest="request_timeout_s")
     ap.add_argument("--retries", type=int, default=3, help="per request (openai backend)")
@@ -318,12 +356,12 @@ def main(argv: list[str] | None = None) -> int:
     max_rows = d.max_rows if a.max_rows is None else a.max_rows
     errors = a.errors or a.out.with_name(a.out.name.removesuffix(".jsonl") + ".errors.jsonl")
     journal = Journal(a.out, errors, a.retry_errors)
-    total = _total(files, max_rows)
+    total = _total(files, max_rows, rc.samples)
     skip = len(journal.done) + len(journal.failed)
     bar = tqdm(total=total, initial=min(skip, total or skip), unit="row", disable=a.quiet)
     status = 0
     try:
-        todo = jobs(files, cfg, journal, max_rows)
+        todo = jobs(files, cfg, journal, max_rows, rc)
         if rc.backend == "openai":
             asyncio.run(run_openai(todo, rc, journal, bar, a.retries))
         else:

@@ -1,10 +1,10 @@
-"""The learning curve of the embedded default (`make quality`, about 30 minutes on 2 CPU
+"""The learning curve of the embedded default (`make quality`, about 20 minutes on 2 CPU
 cores): what accept length DSpark reaches for how much training, against the n-gram
 drafter that needs none.
 
 1. the tiny Inkling target (cached) answers a larger prompt mix than the demo's (QUALITY_MIX,
-   2000 prompts; `data_pipelines.regenerate --backend hf`), once: cached under
-   .cache/quality/ by the target's weights and the mix
+   2000 prompts; `data_pipelines.regenerate --backend hf`) three times each (REGEN), once:
+   cached under .cache/quality/ by the target's weights, the mix and REGEN
 2. DSpark trains at each budget of --budgets (300, 1000, 3000 steps on 2 ranks; each its
    own run and LR schedule) with data.pack and 128 anchors per packed sequence
    (`python -m specforge_dspark.bench pack`), resuming a budget that was interrupted
@@ -53,7 +53,9 @@ TRAIN = (
     "export.calibrate_prompts=0",
     "checkpoint.save_interval=500",
 )
-REGEN = {"batch": 60, "max_new_tokens": 160}
+# three answers per prompt: the greedy one, and two that open with 4 sampled tokens and go
+# on greedily (the target's own loops; see docs/data.md, "Several answers per prompt")
+REGEN = {"batch": 60, "max_new_tokens": 160, "samples": 3, "opening_tokens": 4}
 
 
 def regenerated(recipe: str, target: Path) -> Path:
@@ -74,6 +76,7 @@ def regenerated(recipe: str, target: Path) -> Path:
         sys.executable, "-m", "data_pipelines.regenerate", "--recipe", recipe,
         "--input", str(mix), "--format", "messages", "--out", str(out), "--backend", "hf",
         "--batch-size", str(REGEN["batch"]), "--max-new-tokens", str(REGEN["max_new_tokens"]),
+        "--samples", str(REGEN["samples"]), "--opening-tokens", str(REGEN["opening_tokens"]),
         "--max-rows", str(rows), "--quiet",
     ]  # fmt: skip
     print(" ".join(cmd[2:]), flush=True)

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
-from specforge_dspark.recipe_servers import SGLangServer, VLLMServer
+from specforge_dspark.recipe_servers import RegenerateRecipe, SGLangServer, VLLMServer
 from specforge_dspark.strict_load import apply_override, build_dataclass
 
 
@@ -94,23 +94,6 @@ class DraftRecipe:
     """Keys a sliding_attention query sees, itself included (HF `sliding_window`)."""
     init_from: str = ""
     """Optional exported drafter directory to start from."""
-
-
-@dataclass
-class RegenerateRecipe:
-    """On-policy regeneration: the target answers the training prompts itself."""
-
-    backend: Literal["hf", "openai"] = "hf"
-    url: str = ""
-    """Base URL of an OpenAI-compatible server (SGLang), backend openai."""
-    model: str = "default"
-    concurrency: int = 8
-    batch_size: int = 8
-    max_new_tokens: int = 512
-    temperature: float = 0.0
-    top_p: float = 1.0
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    request_timeout_s: float = 600.0
 
 
 @dataclass

@@ -1,10 +1,10 @@
-"""The `target.sglang` and `target.vllm` recipe sections (beside recipe.py, which holds
-the others)."""
+"""The recipe sections that reach a server: `target.sglang`, `target.vllm` and
+`data.regenerate` (beside recipe.py, which holds the others)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 
 @dataclass
@@ -43,3 +43,27 @@ class VLLMServer:
     """Longest wait for the server to answer at start-up."""
     server_args: dict[str, Any] = field(default_factory=dict)
     """Extra vLLM server arguments by name (tensor_parallel_size, max_model_len, ...)."""
+
+
+@dataclass
+class RegenerateRecipe:
+    """On-policy regeneration: the target answers the training prompts itself."""
+
+    backend: Literal["hf", "openai"] = "hf"
+    url: str = ""
+    """Base URL of an OpenAI-compatible server (SGLang), backend openai."""
+    model: str = "default"
+    concurrency: int = 8
+    batch_size: int = 8
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    samples: int = 1
+    """Answers per prompt. The first is decoded as configured; each further one opens
+    with `opening_tokens` tokens sampled at `opening_temperature`, then continues as
+    configured (hf backend): more of the target's own greedy trajectories, its loops
+    included, which sampling at T > 0 rarely shows (docs/data.md)."""
+    opening_tokens: int = 0
+    opening_temperature: float = 1.0
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    request_timeout_s: float = 600.0

@@ -73,9 +73,9 @@ def test_hf_backend_batched_multiturn_and_resume(tmp_path, tiny_target_dir, caps
     calls: list[list[list[dict]]] = []
     real = HFBackend.answer_batch
 
-    def spy(self, conversations):
+    def spy(self, conversations, openings=None):
         calls.append([list(c) for c in conversations])
-        return real(self, conversations)
+        return real(self, conversations, openings)
 
     monkeypatch.setattr(HFBackend, "answer_batch", spy)
     src = tmp_path / "in.jsonl"
@@ -139,3 +139,70 @@ def test_unreachable_server_stops_the_run_and_resume_retries(tmp_path):
     assert sorted(r["id"] for r in rows) == sorted(f"r{i}" for i in range(40))
     want = "A-" + answer_for([{"role": "user", "content": "q7"}])
     assert next(r for r in rows if r["id"] == "r7")["messages"][1]["content"] == want
+
+
+def test_hf_samples_open_with_sampled_tokens_then_decode_greedily(
+    tmp_path, tiny_target_dir, capsys
+):
+    """--samples 3 --opening-tokens 3: per prompt the greedy answer (equal to a plain run's)
+    and two more whose ids are the sampled opening then the greedy continuation of it."""
+    import torch
+
+    from data_pipelines.backends import HFBackend
+    from specforge_dspark.recipe import RegenerateRecipe
+
+    src = tmp_path / "in.jsonl"
+    rows = [{"id": "a", "question": "Who are you?"}, {"id": "b", "question": "What is 2+3?"}]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"target:\n  path: {tiny_target_dir}\n")
+    base = ["--recipe", str(recipe), "--input", str(src), "--backend", "hf", "--quiet"]
+    base += ["--batch-size", "6", "--max-new-tokens", "12"]
+    plain, many = tmp_path / "plain.jsonl", tmp_path / "many.jsonl"
+    assert main([*base, "--out", str(plain)]) == 0
+    argv = [*base, "--out", str(many), "--samples", "3", "--opening-tokens", "3"]
+    assert main(argv) == 0
+    got = {r["id"]: r["messages"][-1]["content"] for r in map(json.loads, many.open())}
+    assert sorted(got) == ["a", "a#1", "a#2", "b", "b#1", "b#2"]
+    for r in map(json.loads, plain.open()):
+        assert got[r["id"]] == r["messages"][-1]["content"]
+    assert main(argv) == 0  # resume: every sample is journaled under its own id
+    assert "0 rows written this run (6 in all)" in capsys.readouterr().out
+
+    rc = RegenerateRecipe(max_new_tokens=12, opening_tokens=3)
+    hf = HFBackend(str(tiny_target_dir), rc)
+    text = hf.tok.apply_chat_template([{"role": "user", "content": "Who are you?"}],
+                                      tokenize=False, add_generation_prompt=True)  # fmt: skip
+    ids = hf.tok([text], add_special_tokens=False, return_tensors="pt")["input_ids"]
+    greedy = hf.generate_ids(ids, torch.ones_like(ids))[0]
+    openings = []
+    for seed in range(4):
+        torch.manual_seed(seed)
+        new = hf.generate_ids(ids, torch.ones_like(ids), opening=3)[0]
+        assert 3 < len(new) <= 12
+        hf.rc = RegenerateRecipe(max_new_tokens=9)  # the configured decoding, from the opening
+        head = torch.cat([ids, torch.tensor([new[:3]])], 1)
+        assert hf.generate_ids(head, torch.ones_like(head))[0] == new[3:]
+        hf.rc = rc
+        openings.append(new[:3])
+    assert any(o != greedy[:3] for o in openings)  # the opening is sampled, not greedy
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--samples", "2"], "repeats the first answer"),
+        (["--samples", "2", "--opening-tokens", "4", "--max-new-tokens", "4"], "below --max-new"),
+        (["--samples", "2", "--opening-tokens", "2", "--backend", "openai", "--url", "http://h"],
+         "needs the hf backend"),
+    ],
+)  # fmt: skip
+def test_regenerate_refuses_samples_it_cannot_make(tmp_path, capsys, flags, message):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"question": "q"}\n')
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("target:\n  path: /nowhere\n")
+    argv = ["--recipe", str(recipe), "--input", str(src), "--out", str(tmp_path / "o.jsonl")]
+    assert main([*argv, *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
