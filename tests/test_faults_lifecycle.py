@@ -20,13 +20,13 @@ import os
 import random
 import signal
 import socket
-import subprocess
 import time
 
 import psutil
 import pytest
 
 from tests.faults_helpers import (
+    STEPS,
     assert_same_run,
     finish,
     kill_job,
@@ -93,6 +93,8 @@ def test_a_dead_launcher_stops_its_ranks_and_a_second_job_is_refused(reference, 
     job = launch(out, "--resume", "none")
     wait_step(out, 25, job)
     orphans = ranks(job)
+    for p in orphans:  # paused, so that the run outlives the second job's start-up (~10 s;
+        p.suspend()  # 75 tiny steps take less)
     holder = json.loads((out / ".run.lock").read_text())
     assert holder["pid"] in [p.pid for p in orphans]
     second = launch(out, "--resume", "auto", log="second.log")
@@ -102,6 +104,8 @@ def test_a_dead_launcher_stops_its_ranks_and_a_second_job_is_refused(reference, 
 
     t0 = send(job, signal.SIGKILL)  # the launcher only: its ranks live in their own sessions
     job.wait(30)
+    for p in orphans:
+        p.resume()
     gone, alive = psutil.wait_procs(orphans, timeout=120)
     took = time.monotonic() - t0
     assert not alive, "orphaned ranks still running"
@@ -140,6 +144,15 @@ def _hit(job, hit: str, rng: random.Random) -> None:
         send(job, signal.SIGTERM)
 
 
+def _ended_or_past(out, job, step: int, timeout: float = 120) -> None:
+    """Until the job has ended or logged a step after `step` (progress, not a fixed wait:
+    a tiny step takes ~0.07 s, so 3 s of waiting is 40 steps)."""
+    deadline = time.monotonic() + timeout
+    while job.poll() is None and max(losses(out)) <= step:
+        assert time.monotonic() < deadline, f"neither ended nor trained past step {step}"
+        time.sleep(0.05)
+
+
 def test_chaos_four_random_hits_each_resumed_give_the_uninterrupted_run(reference, tmp_path):
     seed = int(os.environ.get("SPECFORGE_CHAOS_SEED", time.time_ns() % 10_000))
     rng = random.Random(seed)
@@ -157,10 +170,14 @@ def test_chaos_four_random_hits_each_resumed_give_the_uninterrupted_run(referenc
         wait_step(out, step, job)
         if in_place and in_place[-1][1] is job:
             in_place[-1] = (in_place[-1][0], None)  # it lived on to this hit
+        hit_at = max(losses(out))
+        assert hit_at < STEPS, f"the run finished before the hit at step {step}"
         _hit(job, hit, rng)
-        try:
-            job.wait(3 if hit == "kill a target worker" else 120)
-        except subprocess.TimeoutExpired:
+        if hit == "kill a target worker":  # the job may live on: until it ends or trains on
+            _ended_or_past(out, job, hit_at + 1)
+        else:
+            job.wait(120)
+        if job.poll() is None:
             in_place.append((hit, job))
     if job.poll() is not None:
         job = launch(out, "--resume", "auto")
