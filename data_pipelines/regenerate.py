@@ -97,13 +97,10 @@ def prompts_of(value, cfg: FormatConfig) -> list[Message]:
     return keep
 
 
-def jobs(
-    files: list[str], cfg: FormatConfig, journal: Journal, max_rows: int, rc=None
-) -> Iterator[Job]:
+def jobs(files: list[str], cfg: FormatConfig, journal: Journal, max_rows: int, rc) -> Iterator[Job]:
     """Answers still to do: per input row, `rc.samples` of them (the first as configured,
     the others opened by `rc.opening_tokens` sampled tokens, ids "<id>#k"). Unusable
     rows go to the errors file (once) and are skipped."""
-    samples, opening = (rc.samples, rc.opening_tokens) if rc is not None else (1, 0)
     seen: set[str] = set()
     for path in files:
         taken = 0
@@ -124,7 +121,7 @@ def jobs(
                     journal.error(rid, raw.source, "duplicate_id", f"id {dup!r}")
                 continue
             seen.add(rid)
-            ids = [rid] + [f"{rid}#{k}" for k in range(1, samples)]
+            ids = [rid] + [f"{rid}#{k}" for k in range(1, rc.samples)]
             todo = [i for i in ids if not journal.is_done(i)]
             if not todo:
                 continue
@@ -137,7 +134,7 @@ def jobs(
                     journal.error(rid, raw.source, *problem)
                 continue
             for i in todo:
-                yield Job(i, raw.source, prompts, 0 if i == rid else opening)
+                yield Job(i, raw.source, prompts, 0 if i == rid else rc.opening_tokens)
 
 
 class _Conversation:
@@ -270,7 +267,7 @@ def _batches(todo: Iterator[Job], size: int) -> Iterator[list[Job]]:
         yield batch
 
 
-def _total(files: list[str], max_rows: int, samples: int = 1) -> int | None:
+def _total(files: list[str], max_rows: int, samples: int) -> int | None:
     counts = [count_rows(f) for f in files]
     if any(c is None for c in counts):
         return None
