@@ -84,10 +84,10 @@ $(SGLANG_VENV)/.packages: requirements-sglang.txt
 # The tiny Inkling target (the embedded default) and, for the tests, the tiny Qwen3 one
 # (what the CPU SGLang engine serves); each rebuilt only when its build key changes.
 tiny-target: setup
-	$(PY) -m specforge_dspark.tiny_target --out $(TINY_TARGET)
+	$(PY) -m specforge_dspark.tiny --out $(TINY_TARGET)
 
 tiny-targets: tiny-target
-	$(PY) -m specforge_dspark.tiny_target --arch qwen3 --out $(TINY_QWEN3)
+	$(PY) -m specforge_dspark.tiny --arch qwen3 --out $(TINY_QWEN3)
 
 demo: setup tiny-target
 	$(PY) scripts/demo.py --nproc $(NPROC)
@@ -120,7 +120,7 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 
 bench: setup sglang-venv tiny-targets
-	$(PY) -m specforge_dspark.bench all
+	$(PY) -m specforge_dspark.cli.bench all
 
 clean:
 	rm -rf runs .cache .pytest_cache .ruff_cache

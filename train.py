@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from specforge_dspark.recipe import Recipe, RecipeError, load_recipe, resolved_dirs
+from specforge_dspark.config.recipe import Recipe, RecipeError, load_recipe, resolved_dirs
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -132,7 +132,7 @@ def build(recipe: Recipe, resume: str | None) -> Run:
     from data_pipelines.prepare import prepare_dataset
     from specforge_dspark.drafters.dspark import DSparkDraft
     from specforge_dspark.drafters.registry import new_draft
-    from specforge_dspark.frozen_head import load_frozen_head
+    from specforge_dspark.objective.frozen_head import load_frozen_head
     from specforge_dspark.training import checkpoint
     from specforge_dspark.training.data_order import restore_cursor, samples_left
     from specforge_dspark.training.distributed import deepspeed_config, init_distributed, lr_lambda
@@ -149,7 +149,7 @@ def build(recipe: Recipe, resume: str | None) -> Run:
     if resume_path is not None:  # fail fast, before data and engines are built
         layout = checkpoint.check_saved(resume_path, recipe, world)
     if recipe.target.tiny_arch:  # embedded recipes: every rank waits on the build lock
-        from specforge_dspark.tiny_target import build as build_tiny_target
+        from specforge_dspark.tiny.target import build as build_tiny_target
 
         quiet = (lambda *a: None) if rank else print
         build_tiny_target(Path(recipe.target.path), arch=recipe.target.tiny_arch, log=quiet)
@@ -331,8 +331,8 @@ def eval_step(run: Run, feats, index: int) -> dict:
 
 def train(run: Run, stop_at_step: int = 0) -> str | None:
     """The loop; returns why it stopped early (a signal, the launcher's death) or None."""
-    from specforge_dspark.export.cli import export_checkpoint
-    from specforge_dspark.preflight import preflight_run
+    from specforge_dspark.export.dispatch import export_checkpoint
+    from specforge_dspark.cli.preflight import preflight_run
     from specforge_dspark.training import checkpoint
     from specforge_dspark.training.data_order import EVAL_ID, advance, batches, eval_rows
     from specforge_dspark.training.distributed import wait_for_every_rank

@@ -186,7 +186,7 @@ def summary(report: dict[str, Any], out: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specforge_dspark.recipe import RecipeError, load_recipe
+    from specforge_dspark.config.recipe import RecipeError, load_recipe
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe", required=True)
@@ -230,7 +230,7 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-proc", type=int, default=1)
     a = ap.parse_args(argv)
     if not Path(a.tokenizer).is_dir():
-        from specforge_dspark.tiny_target import build as build_target
+        from specforge_dspark.tiny.target import build as build_target
 
         build_target(Path(a.tokenizer), log=lambda *x: print(*x, file=sys.stderr))
     params = PrepareParams(

@@ -307,7 +307,7 @@ def _check(rc, target_path: str, files: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specforge_dspark.recipe import RecipeError, load_recipe
+    from specforge_dspark.config.recipe import RecipeError, load_recipe
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe", required=True)

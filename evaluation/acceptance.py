@@ -225,7 +225,7 @@ def evaluate(
     target = target_cls.load(target_path, layer_ids, cache_mode, device, DTYPES[dtype])
     check_pair(drafter, target)
     if head is None:
-        from specforge_dspark.frozen_head import load_frozen_head
+        from specforge_dspark.objective.frozen_head import load_frozen_head
 
         head = load_frozen_head(target_path, device=device, dtype=DTYPES[dtype])
     embed_fn, logits_fn = head_fns(head)

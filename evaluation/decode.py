@@ -21,7 +21,7 @@ def decode_prompts(
     """Speculative decoding of every prompt (token ids) with `draft` (an exported SGLang
     directory of either kind, or a drafter), each checked against plain greedy; returns
     per prompt {committed, steps, accepted_hist} (accepted_hist[n]: steps accepting n)."""
-    from specforge_dspark.frozen_head import load_frozen_head
+    from specforge_dspark.objective.frozen_head import load_frozen_head
 
     drafter = load_drafter(draft, "cpu", torch.float32)
     target = HFTarget.load(target_path, drafter.config.target_layer_ids)

@@ -8,7 +8,7 @@ harness.
 Starts `sglang.launch_server --speculative-algorithm DSPARK|DFLASH
 --speculative-draft-model-path EXPORT_DIR` (the algorithm named by the export's
 `architectures`, drafters.registry.kind_of_dir) for the target (SGLang's CPU engine on
-CPU, in fp32 where both are exact; engines/sglang_cpu.py and its sglang_cpu_* modules have
+CPU, in fp32 where both are exact; engines/cpu/sglang.py and its sglang_cpu_* modules have
 the hooks it needs there) with `--sglang-python`, the interpreter of SGLang's own
 environment (`make sglang-venv`), sends every prompt greedily, and
 decodes the same prompts with decoding.spec_decode. They agree when, on every prompt,
@@ -41,7 +41,7 @@ from specforge_dspark.drafters.registry import kind_of_dir
 from specforge_dspark.engines.inkling_layout import needs_radix_cache, sglang_layout
 from specforge_dspark.engines.sglang import ServerProcess, cli_flag, cpu_engine_args
 from specforge_dspark.export.conventions import check_conventions
-from specforge_dspark.recipe_servers import SGLangServer, VLLMServer
+from specforge_dspark.config.servers import SGLangServer, VLLMServer
 
 START_TIMEOUT_S = 600.0
 
@@ -181,7 +181,7 @@ def serve_check(
     A DRAFT/sts_calibration.json (evaluation/calibrate.py) is served with it; the report's
     `sts_loaded` says whether SGLang logged loading it."""
     from specforge_dspark.decoding.sts import STS_FILE
-    from specforge_dspark.frozen_head import load_frozen_head
+    from specforge_dspark.objective.frozen_head import load_frozen_head
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

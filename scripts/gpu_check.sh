@@ -22,6 +22,6 @@ p = torch.cuda.get_device_properties(0)
 print(f"gpu_check: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}")
 EOF
 for recompute in off on; do
-  timeout 240 $PY -m specforge_dspark.bench step --shape inkling --device cuda \
+  timeout 240 $PY -m specforge_dspark.cli.bench step --shape inkling --device cuda \
     --recompute "$recompute" "$@"
 done

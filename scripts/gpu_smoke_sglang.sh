@@ -44,7 +44,7 @@ import time
 
 import torch
 
-from specforge_dspark.recipe import recipe_from_dict
+from specforge_dspark.config.recipe import recipe_from_dict
 from specforge_dspark.training.stream import FeatureStream
 from specforge_dspark.engines.sglang import launch_args, validate_launch_args
 from specforge_dspark.engines.sglang_keeper import engine_python

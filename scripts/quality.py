@@ -7,7 +7,7 @@ drafter that needs none.
    cached under .cache/quality/ by the target's weights, the mix and REGEN
 2. DSpark trains at each budget of --budgets (300, 1000, 3000 steps on 2 ranks; each its
    own run and LR schedule) with data.pack and 128 anchors per packed sequence
-   (`python -m specforge_dspark.bench pack`), resuming a budget that was interrupted
+   (`python -m specforge_dspark.cli.bench pack`), resuming a budget that was interrupted
 3. every budget's export and the n-gram drafter decode the demo's four held-out workloads
    (--num-prompts each, greedy, lossless), sharing the references; 95% bootstrap
    intervals over prompts
@@ -173,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(REPO)
     t0 = time.time()
     from evaluation.report import write_learning_curve
-    from specforge_dspark.recipe import load_recipe
-    from specforge_dspark.tiny_target import build
+    from specforge_dspark.config.recipe import load_recipe
+    from specforge_dspark.tiny.target import build
 
     recipe = load_recipe(a.recipe)
     out = Path(a.out)

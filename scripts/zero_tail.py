@@ -20,7 +20,7 @@ from specforge_dspark.decoding.hf_target import HFTarget
 from specforge_dspark.decoding.loading import head_fns, load_drafter
 from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
 from specforge_dspark.decoding.spec_decode import speculative_generate
-from specforge_dspark.frozen_head import load_frozen_head
+from specforge_dspark.objective.frozen_head import load_frozen_head
 
 
 def main(argv: list[str] | None = None) -> None:

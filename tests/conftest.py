@@ -54,7 +54,7 @@ def shared_data() -> Path:
 @pytest.fixture(scope="session")
 def tiny_target_dir() -> Path:
     """The tiny target at .cache/tiny_target, built once (cached by its build key)."""
-    from specforge_dspark.tiny_target import build
+    from specforge_dspark.tiny.target import build
 
     return build(REPO / ".cache" / "tiny_target", log=lambda *a: None)
 
@@ -62,7 +62,7 @@ def tiny_target_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir() -> Path:
     """The tiny Qwen3 target at .cache/tiny_qwen3 (what SGLang's CPU engine serves)."""
-    from specforge_dspark.tiny_target import build
+    from specforge_dspark.tiny.target import build
 
     return build(REPO / ".cache" / "tiny_qwen3", arch="qwen3", log=lambda *a: None)
 

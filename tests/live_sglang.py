@@ -10,7 +10,7 @@ import urllib.request
 from pathlib import Path
 
 from specforge_dspark.engines.sglang import ServerProcess, launch_args
-from specforge_dspark.recipe import recipe_from_dict
+from specforge_dspark.config.recipe import recipe_from_dict
 
 LAYERS = [0, 1, 2]
 START_TIMEOUT_S = 300.0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 import train
-from specforge_dspark.recipe import load_recipe
+from specforge_dspark.config.recipe import load_recipe
 from specforge_dspark.training import checkpoint
 
 

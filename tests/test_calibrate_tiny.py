@@ -48,7 +48,7 @@ def test_export_carries_the_sts_file_and_only_a_shifted_bias(calibrated_run, tmp
     from safetensors.torch import load_file
 
     from specforge_dspark.decoding.sts import BIAS_KEY, STS_FILE, read_bias_shift, validate_sts_file
-    from specforge_dspark.export.cli import export_checkpoint
+    from specforge_dspark.export.dispatch import export_checkpoint
 
     report = json.loads((calibrated_run / "calibration" / "calibration.json").read_text())
     export = calibrated_run / "export" / "sglang"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specforge_dspark.recipe import recipe_from_dict
+from specforge_dspark.config.recipe import recipe_from_dict
 from specforge_dspark.training import checkpoint as ck
 from specforge_dspark.training import fingerprint
 

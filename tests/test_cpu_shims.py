@@ -1,4 +1,4 @@
-"""The import shims of CPU-engine SGLang servers (engines/cpu_shims/).
+"""The import shims of CPU-engine SGLang servers (engines/cpu/shims/).
 
 The sgl_kernel ops are checked against SGLang's own Triton kernels, run by Triton's
 interpreter on this CPU (TRITON_INTERPRET=1, in a subprocess: the variable must be set

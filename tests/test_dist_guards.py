@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 RANK = r"""
 import sys, time, torch, torch.distributed as dist
-from specforge_dspark.recipe import load_recipe
+from specforge_dspark.config.recipe import load_recipe
 from specforge_dspark.training import distributed as d
 
 recipe = load_recipe("recipes/tiny_cpu.yaml", [
@@ -84,7 +84,7 @@ def test_zero_stage_3_is_refused_at_load_naming_the_key():
 def test_the_process_group_timeout_comes_from_the_recipe(monkeypatch):
     import deepspeed
 
-    from specforge_dspark.recipe import load_recipe
+    from specforge_dspark.config.recipe import load_recipe
     from specforge_dspark.training import distributed
 
     seen = {}

@@ -23,7 +23,7 @@ import torch
 from specforge_dspark.engines.features import TargetGone
 from specforge_dspark.engines.sglang import launch_args, request_body
 from specforge_dspark.engines.sglang_plugin import append_prefill_hidden_states
-from specforge_dspark.recipe import load_recipe, recipe_from_dict
+from specforge_dspark.config.recipe import load_recipe, recipe_from_dict
 from specforge_dspark.training.stream import FeatureStream
 
 H, LAYERS = 128, [0, 1, 2]  # the tiny target's hidden size

@@ -21,12 +21,12 @@ from specforge_dspark.drafters.dspark import (
     build_visibility_mask,
 )
 from specforge_dspark.export import ExportError
-from specforge_dspark.export.cli import export_checkpoint, main
+from specforge_dspark.export.dispatch import export_checkpoint, main
 from specforge_dspark.export.conventions import CONVENTIONS_KEY, check_conventions
 from specforge_dspark.export.dspark import export_draft, export_for_recipe
-from specforge_dspark.frozen_head import FrozenHead, load_frozen_head
+from specforge_dspark.objective.frozen_head import FrozenHead, load_frozen_head
 from specforge_dspark.objective.blocks import build_blocks
-from specforge_dspark.recipe import DraftRecipe, Recipe
+from specforge_dspark.config.recipe import DraftRecipe, Recipe
 from tests.helpers import TINY_DRAFT
 from tests.sglang_shim import import_sglang
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specforge_dspark.recipe import Recipe
+from specforge_dspark.config.recipe import Recipe
 from specforge_dspark.training import checkpoint
 from specforge_dspark.training.checkpoint import CheckpointWriteError, TrainState
 from tests import faults_tiny as ft

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specforge_dspark.frozen_head import FrozenHead, load_frozen_head
+from specforge_dspark.objective.frozen_head import FrozenHead, load_frozen_head
 
 
 @pytest.fixture(scope="module")

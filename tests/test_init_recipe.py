@@ -1,4 +1,4 @@
-"""`python -m specforge_dspark.init_recipe`: a recipe for any target from its config.json.
+"""`python -m specforge_dspark.cli.init_recipe`: a recipe for any target from its config.json.
 
 Unit tests write config.json (and minimal tokenizer files) with the public dimensions of
 seven targets, generate a recipe and run `train.py --dry-run` on it in-process (the draft is
@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 import train
-from specforge_dspark.init_recipe import aux_layer_ids, main
-from specforge_dspark.recipe import load_recipe
+from specforge_dspark.cli.init_recipe import aux_layer_ids, main
+from specforge_dspark.config.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -28,7 +28,7 @@ def _sources() -> dict[str, Path]:
     out = {"train": REPO / "train.py"}
     for pkg in PRODUCT:
         for path in sorted((REPO / pkg).rglob("*.py")):
-            if "cpu_shims" in path.parts:  # stand-in packages for another process (sglang)
+            if "shims" in path.parts:  # stand-in packages for another process (sglang)
                 continue
             out[_module_name(path)] = path
     return out
@@ -137,11 +137,11 @@ def test_the_checker_finds_a_cycle_and_a_private_import(tmp_path):
     mod.write_text(
         "from specforge_dspark.training import checkpoint\n"
         "def f():\n"
-        "    from specforge_dspark.recipe import _hidden\n"
+        "    from specforge_dspark.config.recipe import _hidden\n"
         "    return checkpoint._secret, _hidden\n"
     )
     edges, private = _imports("specforge_dspark.probe", mod)
-    assert {"specforge_dspark.training.checkpoint", "specforge_dspark.recipe"} <= edges
+    assert {"specforge_dspark.training.checkpoint", "specforge_dspark.config.recipe"} <= edges
     assert len(private) == 2, private
 
 
@@ -177,7 +177,7 @@ def test_product_files_stay_readable():
 
 def test_no_product_module_reads_a_fault_switch():
     """Faults are injected from the test side (tests/inject/drills.py): no product module,
-    cpu_shims included, names a fault-injection variable, so a stray one in a user's
+    cpu/shims included, names a fault-injection variable, so a stray one in a user's
     environment can never kill a save, limit a file or poison a loss."""
     from tests.inject.drills import VARIABLES
 

@@ -16,7 +16,7 @@ from specforge_dspark.drafters.dspark import (
     DSparkDraft,
     build_visibility_mask,
 )
-from specforge_dspark.recipe import DraftRecipe
+from specforge_dspark.config.recipe import DraftRecipe
 from tests.helpers import TINY_DRAFT
 
 

@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
-from specforge_dspark.frozen_head import FrozenHead
+from specforge_dspark.objective.frozen_head import FrozenHead
 from specforge_dspark.objective.blocks import build_blocks, sample_anchors
 from specforge_dspark.objective.loss import compute_loss, compute_loss_at
-from specforge_dspark.recipe import ObjectiveRecipe
+from specforge_dspark.config.recipe import ObjectiveRecipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -650,7 +650,7 @@ def test_bf16_parameter_gradients_are_summed_over_chunks_in_float32(monkeypatch)
 
 
 def test_bench_dispatch_reports_a_missing_benchmark(monkeypatch, capsys):
-    from specforge_dspark import bench
+    from specforge_dspark.cli import bench
 
     calls = []
     fake = types.SimpleNamespace(bench_main=lambda argv: calls.append(argv) or 0)
@@ -671,7 +671,7 @@ def test_bench_dispatch_reports_a_missing_benchmark(monkeypatch, capsys):
 
 
 def test_bench_objective_runs_each_block_size_and_reports_the_rss_ratio(monkeypatch, capsys):
-    from specforge_dspark.bench import objective as bench_objective
+    from specforge_dspark.cli.bench import objective as bench_objective
 
     seen = []
 

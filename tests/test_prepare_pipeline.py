@@ -13,7 +13,7 @@ import pytest
 from data_pipelines import prepare as prep
 from data_pipelines.prepare import load_prepared, main, prepare_dataset
 from data_pipelines.render import load_tokenizer
-from specforge_dspark.recipe import load_recipe, recipe_from_dict
+from specforge_dspark.config.recipe import load_recipe, recipe_from_dict
 
 DATA = Path(__file__).parent / "data"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specforge_dspark.recipe import RecipeError, load_recipe, recipe_from_dict
+from specforge_dspark.config.recipe import RecipeError, load_recipe, recipe_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))

@@ -149,7 +149,7 @@ def test_hf_samples_open_with_sampled_tokens_then_decode_greedily(
     import torch
 
     from data_pipelines.backends import HFBackend
-    from specforge_dspark.recipe import RegenerateRecipe
+    from specforge_dspark.config.recipe import RegenerateRecipe
 
     src = tmp_path / "in.jsonl"
     rows = [{"id": "a", "question": "Who are you?"}, {"id": "b", "question": "What is 2+3?"}]

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specforge_dspark.recipe import load_recipe, recipe_from_dict
+from specforge_dspark.config.recipe import load_recipe, recipe_from_dict
 from specforge_dspark.training import checkpoint as ck
 from specforge_dspark.training import data_order
 from specforge_dspark.training.checkpoint import FORMAT_VERSION, ResumeError

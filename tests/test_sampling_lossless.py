@@ -16,7 +16,7 @@ import torch
 from specforge_dspark.decoding.loading import head_fns
 from specforge_dspark.decoding.sampling import SamplingTarget, sample_continuations, target_probs
 from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
-from specforge_dspark.frozen_head import load_frozen_head
+from specforge_dspark.objective.frozen_head import load_frozen_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specforge_dspark.engines.sglang_cpu_dflash import extend_forward_kwargs
+from specforge_dspark.engines.cpu.sglang_dflash import extend_forward_kwargs
 from tests.live_sglang import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,7 +95,7 @@ def test_our_dflash_drafts_are_the_argmax_sglang_dflash_takes(tiny_target_dir):
     and the eager ~1690), no division. A positive scale leaves an argmax where it is, so
     DFlashDraft.propose's drafts are the engine's, on every row."""
     from specforge_dspark.drafters.dflash import DFlashConfig, DFlashDraft
-    from specforge_dspark.frozen_head import load_frozen_head
+    from specforge_dspark.objective.frozen_head import load_frozen_head
     from tests.sglang_shim import import_sglang
 
     worker = import_sglang("sglang.srt.speculative.dflash_worker_v2")
@@ -169,7 +169,7 @@ def test_a_dflash_exports_conventions_are_read_and_checked(tiny_target_dir, tmp_
     from specforge_dspark.export import ExportError
     from specforge_dspark.export.conventions import check_conventions, recorded_conventions
     from specforge_dspark.export.dflash import export_dflash
-    from specforge_dspark.recipe import load_recipe
+    from specforge_dspark.config.recipe import load_recipe
 
     cfg = DFlashConfig.from_recipe(load_recipe(REPO / "recipes/tiny_cpu_dflash.yaml").draft)
     out = export_dflash(DFlashDraft(cfg), None, tmp_path / "dflash", tiny_target_dir)

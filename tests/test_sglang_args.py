@@ -17,7 +17,7 @@ import torch
 from specforge_dspark.engines import sglang_plugin as plugin
 from specforge_dspark.engines.sglang import launch_args, request_body, validate_launch_args
 from specforge_dspark.engines.shm import DONE, DTYPE_CODES, ShmSlot, Ticket
-from specforge_dspark.recipe import RecipeError, load_recipe
+from specforge_dspark.config.recipe import RecipeError, load_recipe
 from tests.sglang_shim import import_sglang
 
 import_sglang("sglang.srt.server_args")  # make setup installs sglang: missing or broken fails

@@ -1,7 +1,7 @@
 """SGLang's own Inkling (`InklingForConditionalGeneration`, SGLang 0.5.23) on this CPU as
 the feature source for the tiny Inkling target: the target converted to SGLang's layout
 (engines/inkling_layout.py), served with `--attention-backend triton` under Triton's
-interpreter and the bridges of engines/sglang_cpu_inkling.py. Its aux states equal the
+interpreter and the bridges of engines/cpu/sglang_inkling.py. Its aux states equal the
 hf backend's (transformers' Inkling, the pre-short-conv tap); a sequence sent twice is
 prefilled twice although Inkling keeps the radix cache on; 20 training steps against the
 live server give the hf backend's losses."""

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from specforge_dspark.engines.sglang_keeper import ServerKeeper, group_running, kill_group
-from specforge_dspark.recipe import recipe_from_dict
+from specforge_dspark.config.recipe import recipe_from_dict
 
 
 class Sleeper:

@@ -25,7 +25,7 @@ from specforge_dspark.engines.shm import (
     Ticket,
     make_slots,
 )
-from specforge_dspark.recipe import recipe_from_dict
+from specforge_dspark.config.recipe import recipe_from_dict
 
 Usage = namedtuple("Usage", "total used free")
 

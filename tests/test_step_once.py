@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from specforge_dspark.drafters.registry import new_draft
-from specforge_dspark.frozen_head import FrozenHead
+from specforge_dspark.objective.frozen_head import FrozenHead
 from specforge_dspark.objective.blocks import sample_anchors
 from specforge_dspark.objective.loss import compute_loss_at
-from specforge_dspark.recipe import (
+from specforge_dspark.config.recipe import (
     DraftRecipe,
     ObjectiveRecipe,
     Recipe,
@@ -214,7 +214,7 @@ def test_bench_step_runs_a_tiny_configuration_and_prints_its_line():
     tiny_shape += ["--intermediate", "64", "--vocab", "512", "--seq-len", "64"]
     tiny_shape += ["--anchors", "8", "--chunk", "4", "--markov-rank", "8", "--repeats", "1"]
     p = subprocess.run(
-        [sys.executable, "-m", "specforge_dspark.bench", "step", *tiny_shape],
+        [sys.executable, "-m", "specforge_dspark.cli.bench", "step", *tiny_shape],
         capture_output=True, text=True, cwd=REPO, timeout=120,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr

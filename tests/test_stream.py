@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specforge_dspark.capture import batched, capture
+from specforge_dspark.cli.capture import batched, capture
 from specforge_dspark.engines.features import (
     Sample,
     pad_batch,
@@ -24,7 +24,7 @@ from specforge_dspark.engines.features import (
 from specforge_dspark.engines.hf import HFTarget, worker_threads
 from specforge_dspark.engines.offline import ShardWriter, target_fingerprint
 from specforge_dspark.engines.shm import FILE_PREFIX, SHM_DIR, sweep_stale_slots
-from specforge_dspark.recipe import recipe_from_dict
+from specforge_dspark.config.recipe import recipe_from_dict
 from specforge_dspark.training.stream import FeatureStream
 
 REPO = Path(__file__).resolve().parents[1]
@@ -147,7 +147,7 @@ def test_hf_features_equal_offline_features_read_back(stream, recipe, tmp_path, 
 TRAINER = textwrap.dedent(
     """
     import sys, time, itertools
-    from specforge_dspark.recipe import recipe_from_dict
+    from specforge_dspark.config.recipe import recipe_from_dict
     from specforge_dspark.training.stream import FeatureStream
     from specforge_dspark.engines.features import Sample
 

@@ -186,4 +186,4 @@ def test_launch_args_capture_our_taps_and_the_last_layer(tiny_qwen3_dir):
     feature_env, judge_env = server_env(True, base=base), server_env(True, True, base=base)
     assert "RANK" not in feature_env and "TRITON_INTERPRET" not in feature_env
     assert judge_env["TRITON_INTERPRET"] == "1"
-    assert judge_env["PYTHONPATH"].endswith("cpu_shims/vllm_cpu:/x")
+    assert judge_env["PYTHONPATH"].endswith("cpu/shims/vllm_cpu:/x")

@@ -247,7 +247,7 @@ def calibrate_draft(
     from specforge_dspark.decoding.loading import check_pair, head_fns, load_drafter
     from specforge_dspark.decoding.prompts import parse_workload
     from specforge_dspark.decoding.sampling import SamplingTarget
-    from specforge_dspark.frozen_head import load_frozen_head
+    from specforge_dspark.objective.frozen_head import load_frozen_head
 
     if num_prompts < 2:
         raise ValueError(f"--num-prompts must be >= 2 (a fit and an eval split), got {num_prompts}")

@@ -75,7 +75,7 @@ from specforge_dspark.drafters.layers import (
 )
 
 if TYPE_CHECKING:
-    from specforge_dspark.recipe import DraftRecipe
+    from specforge_dspark.config.recipe import DraftRecipe
 
 ARCHITECTURE = "DFlashDraftModel"
 """config.json `architectures` entry SGLang serves a DFlash drafter as."""

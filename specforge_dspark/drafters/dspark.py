@@ -7,7 +7,7 @@ A DSpark drafter (DSPARK_SPEC.md sections 1, 2, 4, 6) proposes a block of G toke
 parallel pass over features of a frozen target, then a small Markov head fixes the
 dependencies inside the block and a confidence head predicts each slot's acceptance.
 It owns no embedding and no LM head: callers pass the frozen target's embeddings in and
-project `h` through the target's LM head themselves (`specforge_dspark.frozen_head`).
+project `h` through the target's LM head themselves (`specforge_dspark.objective.frozen_head`).
 
 Checked against the installed SGLang 0.5.23 source, which serves what this file trains:
 - `sglang/srt/models/dflash.py`: `DFlashDraftModel` (fc -> hidden_norm on the concatenated
@@ -73,7 +73,7 @@ from specforge_dspark.drafters.layers import (
 )
 
 if TYPE_CHECKING:
-    from specforge_dspark.recipe import DraftRecipe
+    from specforge_dspark.config.recipe import DraftRecipe
 
 ARCHITECTURE = "Qwen3DSparkModel"
 """config.json `architectures` entry SGLang serves a DSpark drafter as."""

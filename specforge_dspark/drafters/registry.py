@@ -27,7 +27,7 @@ from specforge_dspark.objective.loss import compute_loss
 from specforge_dspark.objective.vocab_loss import LossOutput
 
 if TYPE_CHECKING:
-    from specforge_dspark.recipe import DraftRecipe
+    from specforge_dspark.config.recipe import DraftRecipe
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 hf (hf.py, a transformers worker per rank), sglang (sglang.py + the server-side plugin
 sglang_plugin.py), vllm (vllm.py + the server-side KV connector vllm_connector.py), offline
-(offline.py, shards written by `specforge_dspark.capture`);
+(offline.py, shards written by `specforge_dspark.cli.capture`);
 shm.py is the shared memory they write into. `specforge_dspark.training.stream.FeatureStream`
 picks one by `target.backend`.
 """

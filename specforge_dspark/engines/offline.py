@@ -1,4 +1,4 @@
-"""The `offline` backend: feature shards written by `python -m specforge_dspark.capture`.
+"""The `offline` backend: feature shards written by `python -m specforge_dspark.cli.capture`.
 
 A capture directory holds `shard-NNNNN.safetensors` files (per sample: `<id>.input_ids`
 [S] int64, `<id>.aux` [S, m*H], `<id>.last` [S, H], unpadded) and `manifest.json`, written

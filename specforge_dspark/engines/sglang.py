@@ -3,7 +3,7 @@
 The trainer's local rank 0 starts `python -m sglang.launch_server` with `launch_args`
 (or every rank attaches to `target.sglang.url`). With `target.device: cpu` the server
 runs SGLang's CPU engine (`SGLANG_USE_CPU_ENGINE=1`, `CPU_ENGINE_ARGS`, and the import
-shims of cpu_shims/ on its PYTHONPATH); that is how CI and the embedded default run the
+shims of cpu/shims/ on its PYTHONPATH); that is how CI and the embedded default run the
 real server. Each batch becomes one `/generate`
 request (max_new_tokens 1, return_hidden_states) whose rids name a shared-memory slot
 and a ticket per sequence; our SGLang plugin (sglang_plugin.py, loaded in the server
@@ -90,7 +90,7 @@ CPU_ENGINE_ARGS: dict[str, Any] = {
 }
 """Defaults for a CPU-engine server (`target.device: cpu`); `target.sglang.server_args`
 overrides any of them."""
-CPU_SHIMS = Path(__file__).resolve().parent / "cpu_shims"
+CPU_SHIMS = Path(__file__).resolve().parent / "cpu" / "shims"
 LAUNCHER_VARS = {
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
     "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
@@ -123,7 +123,7 @@ def launch_args(recipe) -> list[str]:
 def cpu_engine_args(model: str | Path) -> dict[str, Any]:
     """CPU_ENGINE_ARGS; for Inkling (its attention takes fa4 or triton only) triton, run by
     Triton's interpreter, no prefill graph (a CPU has no graph pool), and no tokenizer: its
-    chat adapter refuses any but Inkling's o200k (sglang_cpu_inkling.py), and our requests
+    chat adapter refuses any but Inkling's o200k (cpu/sglang_inkling.py), and our requests
     carry input_ids."""
     if needs_radix_cache(model):
         return {

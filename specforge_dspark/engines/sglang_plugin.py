@@ -94,7 +94,7 @@ def register() -> None:
     """Entry point: install the hook (SGLang applies it after all plugins loaded)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from specforge_dspark.engines import sglang_cpu
+    from specforge_dspark.engines.cpu import sglang as sglang_cpu
 
     global _in_sglang
     if not _in_sglang:  # which environment serves: SGLang's own, not the trainer's

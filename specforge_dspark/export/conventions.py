@@ -27,8 +27,8 @@ from specforge_dspark.drafters.dspark import DSparkConfig
 from specforge_dspark.engines.features import tap_convention
 from specforge_dspark.export import ExportError
 from specforge_dspark.export.source import resolve_checkpoint
-from specforge_dspark.frozen_head import config_value, logical_vocab
-from specforge_dspark.recipe import Recipe, recipe_from_dict
+from specforge_dspark.objective.frozen_head import config_value, logical_vocab
+from specforge_dspark.config.recipe import Recipe, recipe_from_dict
 
 CONVENTIONS_KEY = "specforge_dspark"
 CONVENTIONS_VERSION = 1

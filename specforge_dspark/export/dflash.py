@@ -13,7 +13,7 @@ shapes with its own model's. No embedding, no LM head (the target's are used), n
 speculators layout (DFlash is served by SGLang here). The `specforge_dspark` key records
 the conventions (slot, tap, layer ids, vocab) as the DSpark export does.
 
-    python -m specforge_dspark.export --checkpoint RUN/ckpt/step-N --format sglang --out DIR
+    python -m specforge_dspark.cli.export --checkpoint RUN/ckpt/step-N --format sglang --out DIR
 dispatches here when the checkpoint's recipe has `draft.kind: dflash`.
 """
 

@@ -1,7 +1,7 @@
 """Serving export of a DSpark draft: the SGLang DSPARK layout (sglang.py) or the vLLM
 speculators layout (speculators.py), each with the conventions record (conventions.py).
 
-    python -m specforge_dspark.export --checkpoint RUN/ckpt/step-N --format sglang --out DIR
+    python -m specforge_dspark.cli.export --checkpoint RUN/ckpt/step-N --format sglang --out DIR
 dispatches here when the checkpoint's recipe has `draft.kind: dspark`.
 """
 
@@ -19,7 +19,7 @@ from specforge_dspark.export.conventions import check_recorded, conventions, rec
 from specforge_dspark.export.sglang import write_sglang
 from specforge_dspark.export.source import deepspeed_weights, resolve_checkpoint, step_recipe
 from specforge_dspark.export.speculators import SPECULATORS_VOCABS, write_speculators
-from specforge_dspark.recipe import Recipe, resolved_dirs
+from specforge_dspark.config.recipe import Recipe, resolved_dirs
 
 FORMATS = ("sglang", "speculators")
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from specforge_dspark.frozen_head import FrozenHead
+from specforge_dspark.objective.frozen_head import FrozenHead
 from specforge_dspark.objective.blocks import (
     block_inputs,
     build_blocks,
@@ -47,7 +47,7 @@ from specforge_dspark.objective.vocab_loss import (
     VocabPlan,
     pooled_metrics,
 )
-from specforge_dspark.recipe import ObjectiveRecipe
+from specforge_dspark.config.recipe import ObjectiveRecipe
 
 log = logging.getLogger(__name__)
 

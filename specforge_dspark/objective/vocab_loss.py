@@ -69,9 +69,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specforge_dspark.frozen_head import FrozenHead
+from specforge_dspark.objective.frozen_head import FrozenHead
 from specforge_dspark.objective.blocks import Blocks
-from specforge_dspark.recipe import ObjectiveRecipe
+from specforge_dspark.config.recipe import ObjectiveRecipe
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from specforge_dspark.recipe import Recipe
+from specforge_dspark.config.recipe import Recipe
 from specforge_dspark.training.repartition import (
     ResumeLayout,
     load_zero_partitions,

@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import torch
 
-from specforge_dspark.recipe import Recipe
+from specforge_dspark.config.recipe import Recipe
 
 
 def init_distributed(recipe: Recipe) -> tuple[int, int, torch.device]:

@@ -31,7 +31,7 @@ import logging
 import math
 from typing import TYPE_CHECKING
 
-from specforge_dspark.recipe import Recipe
+from specforge_dspark.config.recipe import Recipe
 
 if TYPE_CHECKING:
     from torch import nn

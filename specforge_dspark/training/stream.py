@@ -22,7 +22,7 @@ raised naming the worker (and the budget). While the stream is open, SIGTERM rai
 SystemExit(143) in the main thread (SIGINT raises KeyboardInterrupt as usual), so `with`
 unwinds and the engine is stopped cleanly.
 
-`python -m specforge_dspark.bench stream` measures the stream (bench/stream.py).
+`python -m specforge_dspark.cli.bench stream` measures the stream (bench/stream.py).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from specforge_dspark.recipe import Recipe
+from specforge_dspark.config.recipe import Recipe
 
 
 class Tracker:

@@ -28,7 +28,8 @@ import os
 
 import torch
 
-from specforge_dspark.engines import sglang_cpu_dflash, sglang_cpu_inkling
+from specforge_dspark.engines.cpu import sglang_dflash as sglang_cpu_dflash
+from specforge_dspark.engines.cpu import sglang_inkling as sglang_cpu_inkling
 
 SPECULATIVE_HOOK = "sglang.srt.arg_groups.speculative_hook"
 TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"

@@ -1,5 +1,5 @@
-"""The export command line: `python -m specforge_dspark.export` (see the package
-docstring), and the dispatch of a checkpoint to the export of its drafter kind."""
+"""The export command line: `python -m specforge_dspark.cli.export` (see the
+specforge_dspark.export docstring); export/dispatch.py picks the drafter kind's export."""
 
 from __future__ import annotations
 
@@ -7,33 +7,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from specforge_dspark.export import dflash, dspark
 from specforge_dspark.export.dspark import FORMATS
-from specforge_dspark.export.source import checkpoint_kind
+from specforge_dspark.export.dispatch import export_checkpoint
 from specforge_dspark.export.speculators import SPECULATORS_VOCABS
-
-
-def export_checkpoint(
-    ckpt_dir: str | Path,
-    fmt: str,
-    out_dir: str | Path,
-    target_path: str | Path | None = None,
-    verifier_name: str | None = None,
-    speculators_vocab: str | None = None,
-) -> Path:
-    """Export a training checkpoint (or an exported SGLang directory) as `fmt`: a DFlash
-    one (recipe `draft.kind: dflash`) with `dflash.export_dflash_checkpoint`, else with
-    `dspark.export_dspark_checkpoint` (its docstring: defaults taken from the recipe)."""
-    if checkpoint_kind(ckpt_dir) == "dflash":
-        return dflash.export_dflash_checkpoint(ckpt_dir, fmt, out_dir, target_path)
-    return dspark.export_dspark_checkpoint(
-        ckpt_dir, fmt, out_dir, target_path, verifier_name, speculators_vocab
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m specforge_dspark.export",
+        prog="python -m specforge_dspark.cli.export",
         description="Export a DSpark draft checkpoint for SGLang or vLLM (speculators).",
     )
     parser.add_argument(
@@ -77,3 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"{args.format} export written to {out}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

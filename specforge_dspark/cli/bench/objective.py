@@ -59,7 +59,7 @@ def bench_main(argv: list[str] | None = None) -> int:
                             flush=True,
                         )
                         continue
-                cmd = [sys.executable, "-m", "specforge_dspark.bench", "objective", "--child"]
+                cmd = [sys.executable, "-m", "specforge_dspark.cli.bench", "objective", "--child"]
                 cmd += ["--anchors", str(n), "--chunks", str(chunk), "--dtype", a.dtype]
                 cmd += ["--block-sizes", str(G), "--kind", a.kind]
                 proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -99,8 +99,8 @@ def _objective_once(
     import torch
 
     from specforge_dspark.drafters.registry import loss_fn, new_draft
-    from specforge_dspark.frozen_head import FrozenHead
-    from specforge_dspark.recipe import DraftRecipe, ObjectiveRecipe
+    from specforge_dspark.objective.frozen_head import FrozenHead
+    from specforge_dspark.config.recipe import DraftRecipe, ObjectiveRecipe
 
     dtype = getattr(torch, DTYPES[dtype_name])
     torch.manual_seed(0)

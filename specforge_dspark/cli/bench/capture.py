@@ -31,7 +31,7 @@ def _free_port() -> int:
 
 
 def _recipe(target: str, output_dir: str, max_length: int):
-    from specforge_dspark.recipe import recipe_from_dict
+    from specforge_dspark.config.recipe import recipe_from_dict
 
     return recipe_from_dict(
         {
@@ -81,7 +81,7 @@ def bench_main(argv: list[str] | None = None) -> int:
 
     from specforge_dspark.engines.features import PaddedBatch, read_target_config
     from specforge_dspark.engines.sglang import SGLangEngine
-    from specforge_dspark.tiny_target import build
+    from specforge_dspark.tiny.target import build
 
     ap = argparse.ArgumentParser(
         prog="bench capture",

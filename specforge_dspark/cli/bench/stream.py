@@ -31,7 +31,7 @@ from specforge_dspark.training.stream import FeatureStream
 
 
 def _bench_recipe(target: str, prefetch: int):
-    from specforge_dspark.recipe import recipe_from_dict
+    from specforge_dspark.config.recipe import recipe_from_dict
 
     return recipe_from_dict(
         {
@@ -170,7 +170,7 @@ def bench_main(argv: list[str] | None = None) -> int:
         "--transfer-seq-len", type=int, default=2048, help="tokens per batch, transport-only"
     )
     a = ap.parse_args(argv)
-    from specforge_dspark.tiny_target import build
+    from specforge_dspark.tiny.target import build
 
     target = str(build(Path(a.target), log=lambda *x: print(*x, file=sys.stderr)))
     x, y = _bench_transfer(target, a.batches, a.seq_len, a.transfer_seq_len)

@@ -1,6 +1,6 @@
 """Capture frozen-target features to disk for the `offline` backend.
 
-    python -m specforge_dspark.capture --recipe R.yaml --out DIR [--samples S.jsonl]
+    python -m specforge_dspark.cli.capture --recipe R.yaml --out DIR [--samples S.jsonl]
 
 Runs the recipe's target with the `hf` backend (whatever `target.backend` says) over the
 training samples and writes safetensors shards plus manifest.json (see target/offline.py).
@@ -27,7 +27,7 @@ from specforge_dspark.engines.features import (
     tap_convention,
 )
 from specforge_dspark.engines.offline import ShardWriter, target_fingerprint
-from specforge_dspark.recipe import Recipe, load_recipe
+from specforge_dspark.config.recipe import Recipe, load_recipe
 from specforge_dspark.training.stream import FeatureStream
 
 

@@ -1,4 +1,4 @@
-"""Benchmarks: `python -m specforge_dspark.bench NAME|all [args]`, NAME one of BENCHES.
+"""Benchmarks: `python -m specforge_dspark.cli.bench NAME|all [args]`, NAME one of BENCHES.
 
 Each benchmark is a function `bench_main(argv: list[str] | None = None) -> int` in its own
 module (table below), imported only when asked for; extra arguments after the name go to
@@ -16,11 +16,11 @@ import importlib
 import sys
 
 BENCHES = {
-    "objective": ("specforge_dspark.bench.objective", "bench_main"),
-    "step": ("specforge_dspark.bench.step", "bench_main"),
-    "stream": ("specforge_dspark.bench.stream", "bench_main"),
-    "pack": ("specforge_dspark.bench.pack", "bench_main"),
-    "capture": ("specforge_dspark.bench.capture", "bench_main"),
+    "objective": ("specforge_dspark.cli.bench.objective", "bench_main"),
+    "step": ("specforge_dspark.cli.bench.step", "bench_main"),
+    "stream": ("specforge_dspark.cli.bench.stream", "bench_main"),
+    "pack": ("specforge_dspark.cli.bench.pack", "bench_main"),
+    "capture": ("specforge_dspark.cli.bench.capture", "bench_main"),
     "prepare": ("data_pipelines.prepare", "bench_main"),
 }
 
@@ -28,7 +28,7 @@ BENCHES = {
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in (*BENCHES, "all"):
-        print(f"usage: python -m specforge_dspark.bench {{{'|'.join([*BENCHES, 'all'])}}} [args]")
+        print(f"usage: python -m specforge_dspark.cli.bench {{{'|'.join([*BENCHES, 'all'])}}} [args]")
         return 2
     name, rest = argv[0], argv[1:]
     if name != "all":

@@ -3,7 +3,7 @@
 SGLang's `InklingForConditionalGeneration` runs on CPU with `--attention-backend triton`
 under Triton's interpreter (`TRITON_INTERPRET=1`): its own attention, short-convolution
 and MoE kernels execute as Python. Registered by our plugin (sglang_plugin.register,
-through sglang_cpu.register) only in CPU-engine processes (`SGLANG_USE_CPU_ENGINE=1`);
+through cpu/sglang.py register) only in CPU-engine processes (`SGLANG_USE_CPU_ENGINE=1`);
 nothing here runs on GPUs, and each bridge is a platform answer or pure torch, named
 after the SGLang line it bridges (found in launch order):
 

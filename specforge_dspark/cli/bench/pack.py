@@ -64,7 +64,7 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--anchors", type=int, nargs="+", default=[64, 128], help="packed runs")
     a = ap.parse_args(argv)
-    from specforge_dspark.recipe import load_recipe
+    from specforge_dspark.config.recipe import load_recipe
 
     default = load_recipe(REPO / RECIPE).objective.num_anchors
     configs = [(False, None)] + [(True, n) for n in a.anchors]

@@ -1,7 +1,7 @@
 """Build the small targets used on CPU (tests, demo): Inkling, and Qwen3 beside it.
 
-    python -m specforge_dspark.tiny_target --out .cache/tiny_target
-    python -m specforge_dspark.tiny_target --arch qwen3 --out .cache/tiny_qwen3
+    python -m specforge_dspark.tiny --out .cache/tiny_target
+    python -m specforge_dspark.tiny --arch qwen3 --out .cache/tiny_qwen3
 
 The result is saved exactly like a real checkpoint (config.json, model.safetensors,
 tokenizer files with a chat template), so every code path loads the target from a

@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 import yaml
 
-from specforge_dspark.recipe_servers import RegenerateRecipe, SGLangServer, VLLMServer
-from specforge_dspark.strict_load import apply_override, build_dataclass
+from specforge_dspark.config.servers import RegenerateRecipe, SGLangServer, VLLMServer
+from specforge_dspark.config.strict_load import apply_override, build_dataclass
 
 
 class RecipeError(ValueError):
@@ -52,10 +52,10 @@ class TargetRecipe:
     restart_backoff_s: float = 1.0
     """Wait before the k-th restart in a row: restart_backoff_s * 2**(k-1) seconds."""
     offline_dir: str = ""
-    """Feature shards written by `python -m specforge_dspark.capture` (backend offline)."""
+    """Feature shards written by `python -m specforge_dspark.cli.capture` (backend offline)."""
     tiny_arch: Literal["", "inkling", "qwen3"] = ""
     """Embedded CPU recipes: build (or reuse, by build key) the tiny target of this
-    architecture at target.path before training (specforge_dspark.tiny_target)."""
+    architecture at target.path before training (specforge_dspark.tiny.target)."""
     sglang: SGLangServer = field(default_factory=SGLangServer)
     vllm: VLLMServer = field(default_factory=VLLMServer)
 
@@ -180,8 +180,8 @@ class TrainRecipe:
     preflight_samples: int = 4
     """Before its first step every rank checks its engine's features on this many data
     rows (greedy argmax and log-prob, batch and split invariance, width, dtype, tap, and
-    per-layer difference to an in-process hf reference: specforge_dspark/preflight.py,
-    also `python -m specforge_dspark.preflight`); a failed check stops the run naming
+    per-layer difference to an in-process hf reference: specforge_dspark/cli/preflight.py,
+    also `python -m specforge_dspark.cli.preflight`); a failed check stops the run naming
     it. 0 = off."""
     served_eval: ServedEvalRecipe = field(default_factory=lambda: ServedEvalRecipe())
     """Real speculative decoding with the hf target every eval_interval steps and at the

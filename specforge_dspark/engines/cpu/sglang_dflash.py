@@ -2,7 +2,7 @@
 
 `evaluation.serve_check` serves our DFlash exports with SGLang's own DFLASH worker
 (`speculative/dflash_worker_v2.py`) and SGLang's Inkling on CPU, and compares prompt by
-prompt with our harness. Registered by our plugin through `sglang_cpu.register` only in
+prompt with our harness. Registered by our plugin through `cpu.sglang.register` only in
 CPU-engine processes (`SGLANG_USE_CPU_ENGINE=1`); nothing here runs on GPUs. Each bridge
 is a platform answer named after the SGLang line it bridges (found in launch order):
 
@@ -29,7 +29,7 @@ MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 
 def register(device_gate: Callable) -> None:
     """`device_gate(original, server_args)`: the CPU engine's speculative device gate
-    (sglang_cpu.handle_dspark), applied to `_handle_dflash` as to `_handle_dspark`."""
+    (cpu/sglang.py handle_dspark), applied to `_handle_dflash` as to `_handle_dspark`."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(f"{SPECULATIVE_HOOK}._handle_dflash", device_gate, HookType.AROUND)

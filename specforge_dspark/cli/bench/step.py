@@ -119,8 +119,8 @@ def step_once(a: argparse.Namespace, G: int, shape: dict) -> str:
 
     import specforge_dspark
     from specforge_dspark.drafters.registry import loss_fn, new_draft
-    from specforge_dspark.frozen_head import FrozenHead
-    from specforge_dspark.recipe import DraftRecipe, ObjectiveRecipe
+    from specforge_dspark.objective.frozen_head import FrozenHead
+    from specforge_dspark.config.recipe import DraftRecipe, ObjectiveRecipe
 
     print(f"step package={Path(specforge_dspark.__file__).resolve()}", flush=True)
     device, dtype = torch.device(device_name), getattr(torch, DTYPES[shape["dtype"]])
@@ -147,7 +147,7 @@ def step_once(a: argparse.Namespace, G: int, shape: dict) -> str:
     objective = ObjectiveRecipe(num_anchors=N, chunk_size=shape["chunk"])
     keys = {f.name for f in dataclasses.fields(ObjectiveRecipe)}
     if "recompute" in keys:  # this code decides recompute; the baseline's has no such key
-        from specforge_dspark.recipe import DataRecipe, DistRecipe, Recipe, TargetRecipe
+        from specforge_dspark.config.recipe import DataRecipe, DistRecipe, Recipe, TargetRecipe
         from specforge_dspark.training.memory import resolve_recompute
 
         if decode_chunk is not None:

@@ -1,6 +1,6 @@
 """Preflight of the features: check what the target engine hands the trainer, any engine.
 
-    python -m specforge_dspark.preflight --recipe R.yaml [--samples 4] [--reference auto]
+    python -m specforge_dspark.cli.preflight --recipe R.yaml [--samples 4] [--reference auto]
 
 and, with `train.preflight_samples > 0`, every rank of every run on its own stream before
 its first step. One table, one row per check; a failure raises `PreflightError` (the CLI
@@ -455,9 +455,9 @@ def format_table(checks: list[Check], title: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specforge_dspark.capture import prepared_samples
-    from specforge_dspark.frozen_head import load_frozen_head
-    from specforge_dspark.recipe import RecipeError, load_recipe
+    from specforge_dspark.cli.capture import prepared_samples
+    from specforge_dspark.objective.frozen_head import load_frozen_head
+    from specforge_dspark.config.recipe import RecipeError, load_recipe
     from specforge_dspark.training.stream import FeatureStream
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
