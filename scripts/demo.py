@@ -33,7 +33,7 @@ EVAL_REGEN_ROWS = 32  # GSM8K test prompts answered by the target for teacher-fo
 EVAL_SPLIT = (("gsm8k", "mt_bench"), ("math500", "humaneval"))
 # the training prompts the target answers: a mix like the seed drafters' data, from rows
 # the evaluation never reads (evaluation takes the first rows, MATH/HumanEval rows below
-# tiny_target.EVAL_ROWS_RESERVED are evaluation-only); (file, field, first row, count)
+# tiny/corpus.py EVAL_ROWS_RESERVED are evaluation-only); (file, field, first row, count)
 PROMPT_MIX = (
     ("train/gsm8k_train.jsonl", "question", 0, 300),
     ("eval/math500_test.jsonl", "problem", 100, 150),
@@ -43,7 +43,7 @@ PROMPT_MIX = (
 # served accept length during training and the confidence calibration of the export
 # Five passes over the 600 on-policy answers (1500 steps, ~3 min here): on held-out prompts
 # one pass (300 steps) gave accept length 2.17 overall, below the n-gram drafter's 2.33;
-# three passes 2.89; five 3.48, above it on every workload (2026-12-02, README).
+# three passes 2.89; five 3.48, above it on every workload (2026-12-02, docs/measured.md).
 TRAIN_EXTRAS = (
     "train.epochs=5",
     "train.max_steps=1500",
@@ -56,7 +56,7 @@ TRAIN_EXTRAS = (
 
 def prompt_mix(out: Path, mix: tuple = PROMPT_MIX) -> Path:
     """`mix` as one jsonl of user turns (OpenAI messages) for the regeneration."""
-    from specforge_dspark.tiny.target import SHARED_DATA
+    from specforge_dspark.tiny.corpus import SHARED_DATA
 
     rows = []
     for rel, field, first, count in mix:

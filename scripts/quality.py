@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import demo  # noqa: E402  (scripts/demo.py: regeneration mix format, evaluation, tables)
 
 # (file, field, first row, count): the demo's sources, more of each; evaluation-only rows
-# (the first rows of the eval files, below tiny_target.EVAL_ROWS_RESERVED) are never read
+# (the first rows of the eval files, below tiny/corpus.py EVAL_ROWS_RESERVED) are never read
 QUALITY_MIX = (
     ("train/gsm8k_train.jsonl", "question", 0, 1200),
     ("eval/math500_test.jsonl", "problem", 100, 400),

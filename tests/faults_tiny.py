@@ -129,3 +129,8 @@ def _equal(a, b) -> bool:
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
     return a == b
+
+
+def run_status(out: Path) -> dict:
+    """What a scheduler reads (specforge_dspark/training/run_status.py)."""
+    return json.loads((out / "run_status.json").read_text())

@@ -110,6 +110,62 @@ def test_rng_state_round_trip():
     assert torch.equal(a[0], b[0]) and (a[1] == b[1]).all() and a[2] == b[2]
 
 
+class _OneGPU:
+    """torch.cuda as a host with `visible` GPUs shows it: set_rng_state refuses a device
+    that is not there, as CUDA does (issue 34: a checkpoint from 8 GPUs, 1 visible)."""
+
+    def __init__(self, visible: int, current: int):
+        self.visible, self.current, self.restored = visible, current, []
+
+    def is_available(self):
+        return True
+
+    def device_count(self):
+        return self.visible
+
+    def current_device(self):
+        return self.current
+
+    def get_rng_state(self):
+        return torch_mod().full((4,), self.current, dtype=torch_mod().uint8)
+
+    def set_rng_state(self, state, device=None):
+        device = self.current if device is None else device
+        if not 0 <= device < self.visible:
+            raise RuntimeError(f"invalid device ordinal {device}")
+        self.restored.append((device, state.clone()))
+
+    def set_rng_state_all(self, states):  # what checkpoints used to restore with
+        for i, state in enumerate(states):
+            self.set_rng_state(state, i)
+
+
+def torch_mod():
+    import torch
+
+    return torch
+
+
+@pytest.mark.parametrize("current", [0, 3])
+def test_cuda_rng_of_eight_devices_resumes_where_fewer_are_visible(monkeypatch, current):
+    """Rank files of format 2 before the fix hold one CUDA state per device then visible
+    (8): the restore takes this rank's own device's entry and touches no other device."""
+    torch = torch_mod()
+    fake = _OneGPU(visible=1 if current == 0 else 4, current=current)
+    monkeypatch.setattr(torch, "cuda", fake)
+    saved = [torch.full((4,), d, dtype=torch.uint8) for d in range(8)]  # 8 devices' states
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        fake.set_rng_state_all(saved)  # the old restore path: fails with fewer visible
+    fake.restored.clear()
+    ck.restore_cuda_rng(saved)
+    assert [(d, int(s[0])) for d, s in fake.restored] == [(current, current)]
+    # a new rank file holds only its own device's state, and round-trips
+    state = ck.rng_state()["cuda"]
+    fake.restored.clear()
+    ck.restore_cuda_rng(state)
+    assert [(d, int(s[0])) for d, s in fake.restored] == [(current, current)]
+
+
 # --------------------------------------------------------------------------- fingerprint
 
 

@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from specforge_dspark.config.recipe import DraftRecipe, Recipe, resolved_dirs
 from specforge_dspark.drafters.dspark import (
     DSPARK_KEYS,
     DSparkConfig,
@@ -21,12 +22,11 @@ from specforge_dspark.drafters.dspark import (
     build_visibility_mask,
 )
 from specforge_dspark.export import ExportError
-from specforge_dspark.export.dispatch import export_checkpoint, main
 from specforge_dspark.export.conventions import CONVENTIONS_KEY, check_conventions
-from specforge_dspark.export.dspark import export_draft, export_for_recipe
-from specforge_dspark.objective.frozen_head import FrozenHead, load_frozen_head
+from specforge_dspark.export.dispatch import export_checkpoint, main
+from specforge_dspark.export.dspark import export_draft
 from specforge_dspark.objective.blocks import build_blocks
-from specforge_dspark.config.recipe import DraftRecipe, Recipe
+from specforge_dspark.objective.frozen_head import FrozenHead, load_frozen_head
 from tests.helpers import TINY_DRAFT
 from tests.sglang_shim import import_sglang
 
@@ -448,6 +448,25 @@ def test_speculators_export_refusals(tmp_path):
     with pytest.raises(ExportError, match="speculators export cannot be read back"):
         export_checkpoint(spec, "sglang", tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+def export_for_recipe(draft: DSparkDraft, recipe: Recipe) -> list[Path]:
+    """Every format in `recipe.export.formats`, each under `<export dir>/<format>`.
+
+    The test side of train.py's export_final, for an in-memory draft."""
+    root = resolved_dirs(recipe)["export"]
+    return [
+        export_draft(
+            draft,
+            draft.config,
+            root / fmt,
+            fmt,
+            verifier_name=recipe.export.verifier_name or None,
+            target_path=recipe.target.path or None,
+            speculators_vocab=recipe.export.speculators_vocab,
+        )
+        for fmt in recipe.export.formats
+    ]
 
 
 def test_export_for_recipe_writes_every_configured_format(tmp_path, tiny_target_dir):

@@ -25,6 +25,7 @@ import time
 import psutil
 import pytest
 
+from specforge_dspark.training.run_status import effective_status
 from tests.faults_helpers import (
     STEPS,
     assert_same_run,
@@ -71,13 +72,25 @@ def _stop_and_check(job, out, target, sig) -> tuple[float, int]:
     return took, rc
 
 
+def _assert_running(out, job) -> dict:
+    """run_status.json while the job trains: running, rank 0's pid, a fresh heartbeat."""
+    status = json.loads((out / "run_status.json").read_text())
+    assert status["status"] == "running" and status["exit_code"] is None, status
+    assert status["pid"] in [p.pid for p in ranks(job)], status
+    assert time.time() - status["heartbeat"] < 30, status  # beaten each log interval
+    assert effective_status(status) == "running" and not status["ranks"], status
+    return status
+
+
 def test_sigterm_to_a_rank_and_sigint_to_torchrun_save_and_resume_exactly(reference, tmp_path):
     out = tmp_path / "signals"
     job = launch(out, "--resume", "none")
     wait_step(out, 30, job)
+    _assert_running(out, job)
     term_s, term_rc = _stop_and_check(job, out, ranks(job)[1], signal.SIGTERM)
     job = launch(out, "--resume", "auto")
     wait_step(out, 70, job)
+    _assert_running(out, job)  # the stop of the last run is gone: a new run says running
     int_s, int_rc = _stop_and_check(job, out, job, signal.SIGINT)
     assert finish(out) == 0
     assert json.loads((out / "run_status.json").read_text())["status"] == "finished"
@@ -122,12 +135,18 @@ def test_two_nodes_match_one_node_and_resume_across_a_restart(reference, tmp_pat
     port = free_port()
     nodes = [launch(out, "--resume", "none", nodes=2, node_rank=n, port=port) for n in (0, 1)]
     wait_step(out, 45, *nodes)
+    rank0 = json.loads((out / "run_status.json").read_text())["pid"]
     for job in nodes:
-        kill_job(job)  # the whole job, both nodes
+        kill_job(job)  # the whole job, both nodes: SIGKILL, nothing can write its end
+    status = json.loads((out / "run_status.json").read_text())
+    assert status["status"] == "running" and not psutil.pid_exists(rank0), status
+    stale = status["heartbeat"] + status["stale_after_s"] + 1
+    assert effective_status(status, now=stale) == "killed"  # what a scheduler concludes
     port = free_port()
     nodes = [launch(out, "--resume", "auto", nodes=2, node_rank=n, port=port) for n in (0, 1)]
     assert [job.wait(600) for job in nodes] == [0, 0], (out / "job-node1.log").read_text()[-2000:]
     assert_same_run(out, reference)
+    assert json.loads((out / "run_status.json").read_text())["status"] == "finished"
 
 
 HITS = ["kill the job", "kill a rank", "kill a target worker", "SIGTERM"]

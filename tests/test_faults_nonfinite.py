@@ -11,6 +11,7 @@ message and a complete checkpoint of the good state.
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -110,6 +111,9 @@ def test_too_many_nonfinite_steps_in_a_row_stop_with_a_good_checkpoint(runs, tmp
     assert "error: step 4: 2 non-finite steps in a row (train.max_nonfinite_steps=2" in p.stderr
     assert "weights, optimizer and LR scheduler are unchanged since step 2" in p.stderr
     assert 'train.py", line' not in p.stderr  # a message, not a traceback
+    status = json.loads((out / "run_status.json").read_text())  # a retry would loop: no
+    assert (status["status"], status["exit_code"], status["resumable"]) == ("failed", 1, False)
+    assert status["detail"].startswith("NonFiniteError: step 4"), status
     saved = out / "ckpt" / "step-4"
     assert (saved / "COMPLETE").is_file()
     assert [x.name for x in (out / "ckpt").glob("step-*")] == ["step-4"]

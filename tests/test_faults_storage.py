@@ -129,6 +129,10 @@ def test_failed_save_stops_the_run_and_resume_is_exact(tmp_path, tmp_path_factor
     assert max(ft.losses(out)) == 3
     assert checkpoint.latest_complete(out / "ckpt") == out / "ckpt" / "step-2"
     assert not step3.exists()
+    status = json.loads((out / "run_status.json").read_text())  # every rank said its end
+    assert (status["status"], status["exit_code"], status["resumable"]) == ("failed", 1, False)
+    assert {r: v["status"] for r, v in status["ranks"].items()} == {"0": "failed", "1": "failed"}
+    assert "CheckpointWriteError" in status["detail"], status
     resumed = ft.train(out, "--resume", "auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = ft.losses(out), ft.losses(ref)

@@ -144,3 +144,39 @@ def test_run_survives_a_killed_and_a_hung_worker(tmp_path, tmp_path_factory, tin
         assert got == want
         ids = [i for _, batch in got for i in batch]
         assert len(ids) == len(set(ids)) == ft.STEPS  # each sample once
+
+
+@pytest.mark.slow
+def test_a_lost_worker_on_rank_1_fails_the_job_as_resumable(tmp_path, tiny_target_dir):
+    """run_status.json after a fault on another rank than 0: the job's status is rank 1's
+    TargetLost (resumable: the next run starts a new worker), not the collective error
+    rank 0 then meets; and the resume it promises succeeds."""
+    out = tmp_path / "run"
+    log = open(tmp_path / "job.log", "w")
+    job = subprocess.Popen(
+        ft.command(out, "--resume", "none", "target.max_restarts=0"),
+        cwd=ft.REPO,
+        env=ft.environment(out, None),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        worker = _find(job, "hf-target-rank1")
+        _wait_step(out, 2, job)
+        worker.kill()
+        assert job.wait(300) != 0
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+        log.close()
+    text = (tmp_path / "job.log").read_text()
+    assert "[rank 1] error: " in text and "max_restarts" in text, text[-3000:]
+    status = ft.run_status(out)
+    assert (status["status"], status["exit_code"], status["resumable"]) == ("failed", 1, True)
+    assert status["detail"].startswith("rank 1: TargetLost"), status
+    assert status["ranks"]["1"]["status"] == "failed" and status["resume"] == "--resume auto"
+    resumed = ft.train(out, "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert ft.run_status(out)["status"] == "finished"

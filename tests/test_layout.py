@@ -14,7 +14,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("specforge_dspark", "evaluation", "data_pipelines")
 PRODUCT = [*PACKAGES, "scripts"]
-MAX_LINES = 500
+MAX_LINES = 400
 
 
 def _module_name(path: Path) -> str:

@@ -19,11 +19,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
-from specforge_dspark.objective.frozen_head import FrozenHead
-from specforge_dspark.objective.blocks import build_blocks, sample_anchors
-from specforge_dspark.objective.loss import compute_loss, compute_loss_at
 from specforge_dspark.config.recipe import ObjectiveRecipe
+from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
+from specforge_dspark.objective.blocks import build_blocks, sample_anchors
+from specforge_dspark.objective.frozen_head import FrozenHead
+from specforge_dspark.objective.loss import compute_loss, compute_loss_at
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -383,7 +383,7 @@ def test_tau_averages_per_block_accept_lengths(monkeypatch):
     acceptance probabilities: tau is the mean over blocks of 1 + (leading matches among the
     block's supervised slots), tau_expected the mean of 1 + sum_k prod_{i<=k} alpha_i over
     the same slots; the retired per-slot-mean value differs."""
-    from specforge_dspark.objective import vocab_loss
+    from specforge_dspark.objective import metrics, vocab_loss
 
     ids = torch.arange(10)[None] % L
     mask = torch.ones(1, 10, dtype=torch.long)
@@ -396,9 +396,9 @@ def test_tau_averages_per_block_accept_lengths(monkeypatch):
     alpha_XG = torch.tensor([[0.5, 0.8, 0.1, 0.9], [0.2, 0.5, 1.0, 1.0], [1.0, 0.5, 0.5, 0.7]])
     eval_mask = build_blocks(ids, mask, anchors, valid, G, MASK, 4.0).eval_mask_BNG[0]
     assert eval_mask.sum(-1).tolist() == [4, 2, 3]
-    assert vocab_loss.accepted_drafts(match_XG, eval_mask).tolist() == [2, 0, 3]
+    assert metrics.accepted_drafts(match_XG, eval_mask).tolist() == [2, 0, 3]
     expected = [0.5 + 0.5 * 0.8 + 0.5 * 0.8 * 0.1 + 0.5 * 0.8 * 0.1 * 0.9, 0.2 + 0.2 * 0.5, 1.75]
-    got = vocab_loss.expected_accepts(alpha_XG, eval_mask).tolist()
+    got = metrics.expected_accepts(alpha_XG, eval_mask).tolist()
     assert got == pytest.approx(expected)
     real = vocab_loss.vocab_chunk
 

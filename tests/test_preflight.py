@@ -1,4 +1,4 @@
-"""Preflight of the features (specforge_dspark/cli/preflight.py): passes on the hf, offline and
+"""Preflight of the features (specforge_dspark/training/preflight.py): passes on the hf, offline and
 live sglang backends; each check fails, by name, on an engine broken on purpose (wrappers
 here, around a real engine: a shifted aux layer, the hidden before the final norm as
 last_hidden, a perturbation that grows with the batch)."""
@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from specforge_dspark.cli.capture import capture
+from specforge_dspark.cli.preflight import main
 from specforge_dspark.engines.features import Sample, TargetFeatures
 from specforge_dspark.engines.hf import HFTarget
 from specforge_dspark.objective.frozen_head import load_frozen_head
-from specforge_dspark.cli.preflight import PreflightError, main, preflight
+from specforge_dspark.training.preflight import PreflightError, preflight
 from specforge_dspark.training.stream import FeatureStream
 from tests.live_sglang import LAYERS, tiny_sglang_recipe
 

@@ -23,12 +23,25 @@ from specforge_dspark.config.recipe import load_recipe, recipe_from_dict
 from specforge_dspark.training import checkpoint as ck
 from specforge_dspark.training import data_order
 from specforge_dspark.training.checkpoint import FORMAT_VERSION, ResumeError
-from specforge_dspark.training.repartition import unpartitioned
+from specforge_dspark.training.repartition import FP32, cut, parts, read_shards, sharded_keys
 from tests import faults_tiny as ft
 from tests.live_sglang import free_port
 
 RECIPE = "recipes/tiny_cpu.yaml"
 ROWS = ["data.max_rows=12"]  # 10 prepared rows: 5 steps an epoch at a global batch of 2
+
+
+def unpartitioned(path: Path) -> dict[str, list[torch.Tensor]]:
+    """{"master", "exp_avg", "exp_avg_sq": [flat_N per parameter group]}: the whole
+    fp32 master weights and Adam moments of checkpoint `path`, whatever its world size."""
+    shards = read_shards(path)
+    out: dict[str, list[torch.Tensor]] = {}
+    for g in range(len(shards[0][FP32])):
+        total = sum(s[FP32][g].numel() for s in shards)
+        for key in [None, *sharded_keys(shards[0], g)]:
+            whole = cut(parts(shards, g, key), 0, total).clone()
+            out.setdefault(key or "master", []).append(whole)
+    return out
 
 
 def _meta(recipe, world: int, grad_accum: int = 0) -> dict:

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from specforge_dspark.decoding.loading import head_fns
-from specforge_dspark.decoding.sampling import SamplingTarget, sample_continuations, target_probs
+from specforge_dspark.decoding.sampling import SamplingTarget, target_probs
 from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
 from specforge_dspark.objective.frozen_head import load_frozen_head
+from tests.sampling_lockstep import sample_continuations
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -69,7 +69,7 @@ def test_pretraining_lowered_the_loss_and_build_is_cached(tiny_target_dir):
 
 
 def test_loops_detects_short_periods_only():
-    from specforge_dspark.tiny.target import loops
+    from specforge_dspark.tiny.corpus import loops
 
     assert loops([7] * 48)
     assert loops(list(range(100)) + [1, 2, 3] * 16)  # period 3 in the last 48
@@ -81,7 +81,7 @@ def test_loops_detects_short_periods_only():
 
 def test_target_writes_without_looping(tiny_target_dir):
     """Measured at build (build_info.json) and re-checked here on the first prompts."""
-    from specforge_dspark.tiny.target import LOOP_WORKLOADS, greedy_loop_rate
+    from specforge_dspark.tiny.pretrain import LOOP_WORKLOADS, greedy_loop_rate
 
     info = json.loads((tiny_target_dir / "build_info.json").read_text())
     rows = info["continuations"]

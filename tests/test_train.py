@@ -124,6 +124,9 @@ def test_resume_with_changed_objective_is_refused(runs):
     assert p.returncode != 0  # torchrun reports a failed rank as 1
     assert "error: " in p.stderr and "objective.num_anchors: 16 -> 8" in p.stderr
     assert 'train.py", line' not in p.stderr  # a message, not a traceback through our code
+    status = json.loads((base / "full" / "run_status.json").read_text())  # was "finished"
+    assert (status["status"], status["exit_code"], status["resumable"]) == ("refused", 2, False)
+    assert "objective.num_anchors: 16 -> 8" in status["detail"] and status["resume"] == ""
 
 
 def test_metrics_reach_trackio(runs, monkeypatch):

@@ -24,7 +24,7 @@ from specforge_dspark.drafters.dflash import DFlashConfig, DFlashDraft
 from specforge_dspark.drafters.dspark import ARCHITECTURE as DSPARK_ARCH
 from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
 from specforge_dspark.objective.loss import compute_loss
-from specforge_dspark.objective.vocab_loss import LossOutput
+from specforge_dspark.objective.metrics import LossOutput
 
 if TYPE_CHECKING:
     from specforge_dspark.config.recipe import DraftRecipe

@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
+from specforge_dspark.config.recipe import Recipe
 from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
 from specforge_dspark.export import ExportError
 from specforge_dspark.export.conventions import check_recorded, conventions, recorded_conventions
 from specforge_dspark.export.sglang import write_sglang
 from specforge_dspark.export.source import deepspeed_weights, resolve_checkpoint, step_recipe
 from specforge_dspark.export.speculators import SPECULATORS_VOCABS, write_speculators
-from specforge_dspark.config.recipe import Recipe, resolved_dirs
 
 FORMATS = ("sglang", "speculators")
 
@@ -98,25 +98,6 @@ def export_dspark_checkpoint(
         )
     except ExportError as e:
         raise ExportError(f"--checkpoint {ckpt_dir}: {e}") from None
-
-
-def export_for_recipe(draft: DSparkDraft, recipe: Recipe) -> list[Path]:
-    """Every format in `recipe.export.formats`, each under `<export dir>/<format>`.
-
-    Call it on one rank (rank 0) with the unwrapped draft."""
-    root = resolved_dirs(recipe)["export"]
-    return [
-        export_draft(
-            draft,
-            draft.config,
-            root / fmt,
-            fmt,
-            verifier_name=recipe.export.verifier_name or None,
-            target_path=recipe.target.path or None,
-            speculators_vocab=recipe.export.speculators_vocab,
-        )
-        for fmt in recipe.export.formats
-    ]
 
 
 def read_checkpoint(

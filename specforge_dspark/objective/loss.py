@@ -33,21 +33,16 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from specforge_dspark.objective.frozen_head import FrozenHead
+from specforge_dspark.config.recipe import ObjectiveRecipe
 from specforge_dspark.objective.blocks import (
     block_inputs,
     build_blocks,
     sample_anchors,
     used_columns,
 )
-from specforge_dspark.objective.vocab_loss import (
-    BlockDrafter,
-    FusedVocabLoss,
-    LossOutput,
-    VocabPlan,
-    pooled_metrics,
-)
-from specforge_dspark.config.recipe import ObjectiveRecipe
+from specforge_dspark.objective.frozen_head import FrozenHead
+from specforge_dspark.objective.metrics import LossOutput, pooled_metrics
+from specforge_dspark.objective.vocab_loss import BlockDrafter, FusedVocabLoss, VocabPlan
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,7 @@ the data cursor (samples of the epoch trained, data_order.py) continues the same
 from __future__ import annotations
 
 import json
-import os
 import random
-import re
-import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,15 +36,43 @@ import torch
 import torch.distributed as dist
 
 from specforge_dspark.config.recipe import Recipe
+from specforge_dspark.training.ckpt_files import (
+    MARKER,
+    CheckpointWriteError,
+    atomic_write,
+    attempt,
+    barrier,
+    check_written,
+    fresh_dir,
+    is_complete,
+    latest_complete,
+    list_checkpoints,
+    prune,
+    step_dir,
+    to_bytes,
+)
 from specforge_dspark.training.repartition import (
     ResumeLayout,
     load_zero_partitions,
     resume_layout,
 )
 
+__all__ = [  # what callers read from here; the step-directory helpers live in ckpt_files.py
+    "CheckpointWriteError",
+    "ResumeError",
+    "TrainState",
+    "check_compatible",
+    "check_saved",
+    "is_complete",
+    "latest_complete",
+    "list_checkpoints",
+    "load",
+    "resolve_resume",
+    "save",
+    "step_dir",
+]
+
 FORMAT_VERSION = 2  # 2: train_state.json holds the fingerprint
-MARKER = "COMPLETE"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 # Recipe keys (dotted prefixes) that may differ on resume: they change where things are
 # written, how fast features arrive or what is logged, never the training math.
@@ -108,31 +133,6 @@ class TrainState:
     resume averages over the same micro-steps as in an uninterrupted run."""
     log_tokens: int = 0
     """`tokens` at the last logged step (tokens_per_s counts from there)."""
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step}"
-
-
-def is_complete(path: Path) -> bool:
-    return (path / MARKER).is_file()
-
-
-def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(step, dir) of every step directory under root, complete or not, oldest first."""
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        m = _STEP_DIR.match(p.name)
-        if m and p.is_dir():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
-
-
-def latest_complete(root: Path) -> Path | None:
-    complete = [p for _, p in list_checkpoints(root) if is_complete(p)]
-    return complete[-1] if complete else None
 
 
 def resolve_resume(arg: str | None, root: Path) -> Path | None:
@@ -236,30 +236,34 @@ def check_saved(
     return check_compatible(meta, recipe, world_size, path, fingerprint)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def rng_state() -> dict[str, Any]:
     return {
         "torch": torch.get_rng_state(),
         "numpy": np.random.get_state(),
         "python": random.getstate(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-    }
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+    }  # cuda: the generator of this rank's own device only (restore_cuda_rng)
 
 
 def set_rng_state(s: dict[str, Any]) -> None:
     torch.set_rng_state(s["torch"])
     np.random.set_state(s["numpy"])
     random.setstate(s["python"])
-    if s.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
+    restore_cuda_rng(s.get("cuda"))
+
+
+def restore_cuda_rng(saved: torch.Tensor | list[torch.Tensor] | None) -> None:
+    """Restore this rank's CUDA generator from what its rank file holds: the state of the
+    device it ran on, or (format 2 checkpoints before this change) one state per device
+    then visible, of which the entry of this rank's own device is taken (modulo the
+    saved count). A resume where fewer GPUs are visible than at save never indexes a
+    device that is not there; on a host without CUDA the saved state is unused."""
+    if saved is None or not torch.cuda.is_available():
+        return
+    device = torch.cuda.current_device()
+    if isinstance(saved, list | tuple):
+        saved = saved[device % len(saved)]
+    torch.cuda.set_rng_state(saved, device)
 
 
 def save(
@@ -281,16 +285,16 @@ def save(
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     path = step_dir(root, state.step)
-    failed = _attempt(_fresh_dir, path) if rank == 0 else None
-    _check_written(failed, engine, root, path)
-    failed = _attempt(engine.save_checkpoint, str(root), tag=path.name, save_latest=False)
+    failed = attempt(fresh_dir, path) if rank == 0 else None
+    check_written(failed, engine, root, path)
+    failed = attempt(engine.save_checkpoint, str(root), tag=path.name, save_latest=False)
     if failed is not None:
-        _barrier()  # the barrier DeepSpeed's save ends with, where the others wait
+        barrier()  # the barrier DeepSpeed's save ends with, where the others wait
     else:
         rank_state = {"train_state": asdict(state), "rng": rng_state()}
         rank_file = path / f"rank{rank:05d}_state.pt"
-        failed = _attempt(_atomic_write, rank_file, _to_bytes(rank_state))
-    _check_written(failed, engine, root, path)
+        failed = attempt(atomic_write, rank_file, to_bytes(rank_state))
+    check_written(failed, engine, root, path)
     if rank == 0:
         meta = {
             "format_version": FORMAT_VERSION,
@@ -300,135 +304,15 @@ def save(
             "fingerprint": fingerprint,
             **asdict(state),
         }
-        failed = _attempt(
-            _atomic_write, path / "train_state.json", json.dumps(meta, indent=1).encode()
+        failed = attempt(
+            atomic_write, path / "train_state.json", json.dumps(meta, indent=1).encode()
         )
-        failed = failed or _attempt(_atomic_write, path / MARKER, b"")
-    _check_written(failed, engine, root, path)
+        failed = failed or attempt(atomic_write, path / MARKER, b"")
+    check_written(failed, engine, root, path)
     if rank == 0:
         prune(root, keep_last)
-    _barrier()
+    barrier()
     return path
-
-
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written; the message names the path and the bytes needed."""
-
-
-def _fresh_dir(path: Path) -> None:
-    """No stale partial save of the same step, and the root exists (so that DeepSpeed's
-    own first write is a file inside it, past its collectives' first barrier)."""
-    if path.exists():
-        remove(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-
-
-def _attempt(fn, *args, **kwargs) -> Exception | None:
-    """Run one write; its error (torch's writer raises RuntimeError) is returned, not
-    raised, so that the rank still reaches the collectives the others are in."""
-    try:
-        fn(*args, **kwargs)
-    except (OSError, RuntimeError) as e:
-        return e
-    return None
-
-
-def _check_written(failed: Exception | None, engine, root: Path, path: Path) -> None:
-    """Collective: if a write failed on any rank, remove the partial `path` and raise
-    CheckpointWriteError everywhere (the failing ranks with their details)."""
-    if not _any_rank(failed is not None):
-        return
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0:
-        _attempt(remove, path)  # best effort: the missing marker already voids it
-    _barrier()
-    need, basis = bytes_needed(engine, root)
-    free = shutil.disk_usage(root).free if root.is_dir() else 0
-    prev = latest_complete(root)
-    what = (
-        f"rank {rank}: {_describe(failed)}"
-        if failed is not None
-        else "another rank (see its error)"
-    )
-    raise CheckpointWriteError(
-        f"checkpoint {path}: writing failed on {what}. It needs about {need:,} bytes "
-        f"({basis}); {free:,} bytes free in {root}{_likely_cause(need, free)}. The partial "
-        f"{path.name} was removed and nothing was pruned: "
-        + (
-            f"{prev} is complete, --resume auto continues from it. "
-            if prev
-            else "no earlier checkpoint. "
-        )
-        + "Free space, fix the permissions, or set checkpoint.dir to another disk."
-    ) from failed
-
-
-def _likely_cause(need: int, free: int) -> str:
-    """torch's writer reports a short write without its errno: name what we can see."""
-    import resource
-
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    if free < need:
-        return " (not enough free space)"
-    if limit != resource.RLIM_INFINITY and limit < need:
-        return f" (this process may write no file over {limit:,} bytes: ulimit -f)"
-    return ""
-
-
-def _describe(e: BaseException) -> str:
-    if isinstance(e, OSError) and e.strerror:
-        where = f" ({e.filename})" if e.filename else ""
-        return f"{e.strerror} [errno {e.errno}]{where}"
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-
-
-def bytes_needed(engine, root: Path) -> tuple[int, str]:
-    """About how many bytes one checkpoint takes: the size of the latest complete one,
-    else the model's weights plus fp32 master weights and two Adam moments."""
-    prev = latest_complete(root)
-    if prev is not None:
-        return sum(
-            f.stat().st_size for f in prev.rglob("*") if f.is_file()
-        ), f"the size of {prev.name}"
-    params = list(engine.module.parameters())
-    n = sum(p.numel() for p in params)
-    weights = sum(p.numel() * p.element_size() for p in params)
-    return weights + 12 * n, "weights + fp32 master weights and Adam moments, estimated"
-
-
-def _any_rank(flag: bool) -> bool:
-    """Collective (also a barrier): whether `flag` is set on any rank."""
-    if not dist.is_initialized():
-        return flag
-    cuda = dist.get_backend() == "nccl"
-    t = torch.tensor([float(flag)], device=f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
-def prune(root: Path, keep_last: int) -> None:
-    """Keep the newest `keep_last` complete checkpoints; drop partial saves older than them."""
-    for leftover in root.glob(".deleting-step-*"):  # a prune a crash interrupted
-        shutil.rmtree(leftover, ignore_errors=True)
-    ckpts = list_checkpoints(root)
-    complete = [s for s, p in ckpts if is_complete(p)]
-    keep = set(complete[-keep_last:])
-    newest = complete[-1] if complete else -1
-    for s, p in ckpts:
-        if s not in keep and (is_complete(p) or s < newest):
-            remove(p)
-
-
-def remove(path: Path) -> None:
-    """Delete a step directory so that no reader ever sees it half gone: it is first
-    renamed out of the step-N namespace (atomic), then deleted. A crash in between
-    leaves a `.deleting-*` folder, which nothing reads and the next prune removes."""
-    doomed = path.with_name(f".deleting-{path.name}-{os.getpid()}")
-    try:
-        os.replace(path, doomed)
-    except FileNotFoundError:
-        return
-    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def load(engine, path: Path, recipe: Recipe, fingerprint: dict[str, Any]) -> TrainState:
@@ -459,16 +343,3 @@ def load(engine, path: Path, recipe: Recipe, fingerprint: dict[str, Any]) -> Tra
     rank_state = torch.load(rank_file, weights_only=False)
     set_rng_state(rank_state["rng"])
     return TrainState(**rank_state["train_state"])
-
-
-def _to_bytes(obj: Any) -> bytes:
-    import io
-
-    bio = io.BytesIO()
-    torch.save(obj, bio)
-    return bio.getvalue()
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()

@@ -22,7 +22,6 @@ import json
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
@@ -156,30 +155,3 @@ def acquire_run_lock(output_dir: Path, rank: int) -> RunLock | None:
     if message:
         raise RunLockError(message)
     return lock
-
-
-RUN_STATUS = "run_status.json"
-"""Written by rank 0 into train.output_dir when the run ends: what a scheduler reads to
-tell a resumable stop from a failure (torchrun's own exit status cannot: it is 1 for
-both, see docs/faults.md)."""
-
-
-def write_run_status(output_dir: str | Path, status: str, exit_code: int, detail: str) -> None:
-    """`{"status": finished|stopped|failed, "exit_code", "detail", "resume"}`, atomically
-    (best effort: a status that cannot be written never hides the run's own outcome)."""
-    resumable = status == "stopped" or (status == "failed" and exit_code == 1)
-    body = {
-        "status": status,
-        "exit_code": exit_code,
-        "detail": detail,
-        "resume": "--resume auto" if resumable else "",
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    path = Path(output_dir) / RUN_STATUS
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(body, indent=1) + "\n")
-        os.replace(tmp, path)
-    except OSError as e:
-        print(f"warning: could not write {path}: {e}", file=sys.stderr)

@@ -107,19 +107,6 @@ def read_shards(path: Path) -> list[dict]:
     ]
 
 
-def unpartitioned(path: Path) -> dict[str, list[torch.Tensor]]:
-    """{"master", "exp_avg", "exp_avg_sq": [flat_N per parameter group]}: the whole
-    fp32 master weights and Adam moments of checkpoint `path`, whatever its world size."""
-    shards = read_shards(path)
-    out: dict[str, list[torch.Tensor]] = {}
-    for g in range(len(shards[0][FP32])):
-        total = sum(s[FP32][g].numel() for s in shards)
-        for key in [None, *_sharded_keys(shards[0], g)]:
-            whole = _cut(_parts(shards, g, key), 0, total).clone()
-            out.setdefault(key or "master", []).append(whole)
-    return out
-
-
 def load_zero_partitions(engine, path: Path) -> None:
     """Collective: load the ZeRO-1/2 optimizer state of checkpoint `path`, saved on any
     number of ranks, into this engine's partitions (after engine.load_checkpoint with
@@ -142,12 +129,12 @@ def load_zero_partitions(engine, path: Path) -> None:
         size = opt.single_partition_of_fp32_groups[g].numel()  # P', end padding included
         lo, hi = rank * size, (rank + 1) * size
         pid = group["params"][0]
-        sharded = _sharded_keys(first, g)  # Adam's moments; "step" is the same on every rank
+        sharded = sharded_keys(first, g)  # Adam's moments; "step" is the same on every rank
         state[pid] = {
-            k: _padded(_cut(_parts(shards, g, k), lo, hi), size) if k in sharded else v
+            k: _padded(cut(parts(shards, g, k), lo, hi), size) if k in sharded else v
             for k, v in first[BASE]["state"][pid].items()
         }
-        master.append(_padded(_cut(_parts(shards, g, None), lo, hi), size))
+        master.append(_padded(cut(parts(shards, g, None), lo, hi), size))
     mine = {
         **first,
         BASE: {"state": state, "param_groups": first[BASE]["param_groups"]},
@@ -159,7 +146,7 @@ def load_zero_partitions(engine, path: Path) -> None:
     opt.load_state_dict([mine] * world, load_optimizer_states=True, load_from_fp32_weights=True)
 
 
-def _parts(shards: list[dict], g: int, key: str | None) -> list[torch.Tensor]:
+def parts(shards: list[dict], g: int, key: str | None) -> list[torch.Tensor]:
     """Each rank's partition of group g (`key` of Adam's state, or None: the master
     weights), end padding stripped."""
     if key is None:
@@ -171,12 +158,12 @@ def _group(shard: dict, g: int) -> dict:
     return shard[BASE]["state"][shard[BASE]["param_groups"][g]["params"][0]]
 
 
-def _sharded_keys(shard: dict, g: int) -> list[str]:
+def sharded_keys(shard: dict, g: int) -> list[str]:
     """Keys of group g's optimizer state that are partitions of flat_N (not scalars)."""
     return [k for k, v in _group(shard, g).items() if torch.is_tensor(v) and v.dim() > 0]
 
 
-def _cut(parts: list[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+def cut(parts: list[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
     """Positions [lo, hi) of the concatenation of `parts` (clipped at its end)."""
     pieces, start = [], 0
     for t in parts:

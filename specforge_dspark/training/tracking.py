@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from specforge_dspark.config.recipe import Recipe
@@ -102,3 +103,49 @@ def rewind_jsonl(path: Path, step: int) -> int:
         tmp.write_text("".join(kept))
         os.replace(tmp, path)
     return dropped
+
+
+def reduce_metrics(window: list[dict]) -> dict:
+    """Mean over the micro-steps of a logging window (the objective already pooled ranks).
+
+    Per-position entries are NaN in a micro-step with no supervised slot there: ignored."""
+    keys = sorted(window[0])
+    vals = torch.tensor([[m.get(k, float("nan")) for k in keys] for m in window])
+    mean = vals.to(torch.float64).nanmean(0)
+    return {k: v for k, v in zip(keys, mean.tolist(), strict=True) if v == v}
+
+
+class StepWindow:
+    """The training metrics since the last logged step, carried across a stop in the
+    checkpoint's TrainState (`log_window`, `log_tokens`), so that a resumed run logs the
+    same curves as an uninterrupted one."""
+
+    def __init__(self, state, now: float):
+        self.window: list[dict] = state.log_window
+        self.t_last, self.wait_last, self.tokens_last = now, 0.0, state.log_tokens
+
+    def add(self, out) -> None:
+        if out is not None:  # None: a skipped (non-finite) micro-step
+            self.window.append(out.log_dict())
+
+    def log(self, tracker: Tracker, state, eng, wait_seconds: float, report, now: float) -> None:
+        """Log the window's mean with the interval's lr, grad norm, throughput and the share
+        of it spent waiting for features; then start a new window."""
+        dt = max(now - self.t_last, 1e-9)
+        metrics = reduce_metrics(self.window) if self.window else {}
+        metrics.update(report.metrics)
+        metrics.update(
+            lr=eng.get_lr()[0],
+            grad_norm=float(eng.get_global_grad_norm() or 0.0),
+            tokens_per_s=(state.tokens - self.tokens_last) / dt,
+            wait_fraction=(wait_seconds - self.wait_last) / dt,
+            epoch=state.epoch,
+        )
+        if report.skipped:
+            metrics.pop("grad_norm")  # inf: DeepSpeed's mark of a skipped step
+        tracker.log(state.step, metrics)
+        self.t_last, self.wait_last, self.tokens_last = now, wait_seconds, state.tokens
+        self.window = []
+
+    def save_into(self, state) -> None:
+        state.log_window, state.log_tokens = list(self.window), self.tokens_last

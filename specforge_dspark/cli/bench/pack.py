@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 RECIPE = "recipes/tiny_cpu.yaml"
 
 

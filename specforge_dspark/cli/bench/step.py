@@ -46,7 +46,7 @@ SHAPES = {
         markov_rank=256, vocab=201024, seq_len=4096, anchors=512, chunk=64, dtype="bf16",
     ),
 }  # fmt: skip
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def bench_main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,155 @@
+"""Cross-field checks of a recipe: every problem a user can fix, naming its keys."""
+
+from __future__ import annotations
+
+from specforge_dspark.config.sections import Recipe
+
+
+def validate(r: Recipe) -> list[str]:
+    """Cross-field checks; returns a list of problems naming the recipe keys."""
+    e: list[str] = []
+    d, o = r.draft, r.objective
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            e.append(msg)
+
+    need(d.hidden_size > 0, f"draft.hidden_size must be > 0, got {d.hidden_size}")
+    need(d.num_hidden_layers >= 1, "draft.num_hidden_layers must be >= 1")
+    need(d.num_attention_heads >= 1, "draft.num_attention_heads must be >= 1")
+    need(
+        d.num_key_value_heads >= 1 and d.num_attention_heads % max(d.num_key_value_heads, 1) == 0,
+        f"draft.num_attention_heads ({d.num_attention_heads}) must be a multiple of "
+        f"draft.num_key_value_heads ({d.num_key_value_heads})",
+    )
+    need(d.head_dim > 0 and d.head_dim % 2 == 0, "draft.head_dim must be even and > 0 (RoPE)")
+    need(d.intermediate_size > 0, "draft.intermediate_size must be > 0")
+    need(d.block_size >= 2, f"draft.block_size must be >= 2, got {d.block_size}")
+    need(d.vocab_size > 0, "draft.vocab_size must be > 0")
+    need(
+        0 <= d.mask_token_id < d.vocab_size,
+        f"draft.mask_token_id ({d.mask_token_id}) must be in [0, draft.vocab_size={d.vocab_size})",
+    )
+    need(d.markov_rank > 0, f"draft.markov_rank must be > 0, got {d.markov_rank}")
+    need(len(d.target_layer_ids) >= 1, "draft.target_layer_ids must name at least one layer")
+    for i, k in enumerate(d.target_layer_ids):
+        need(
+            0 <= k <= d.num_target_layers - 2,
+            f"draft.target_layer_ids[{i}]={k} is outside the target's layers: aux layers "
+            f"must be in [0, draft.num_target_layers-2={d.num_target_layers - 2}] "
+            "(the last layer's output cannot be captured)",
+        )
+    dupes = sorted({k for k in d.target_layer_ids if d.target_layer_ids.count(k) > 1})
+    need(not dupes, f"draft.target_layer_ids repeats layer(s) {dupes}")
+    need(
+        dupes or d.target_layer_ids == sorted(d.target_layer_ids),
+        f"draft.target_layer_ids must be ascending (SGLang captures them in order), got "
+        f"{d.target_layer_ids}",
+    )
+    need(
+        not d.layer_types or len(d.layer_types) == d.num_hidden_layers,
+        f"draft.layer_types has {len(d.layer_types)} entries, draft.num_hidden_layers is "
+        f"{d.num_hidden_layers}",
+    )
+    sliding = "sliding_attention" in d.layer_types
+    if d.kind == "dspark":
+        need(not sliding, "draft.layer_types: sliding_attention needs draft.kind: dflash")
+    else:
+        need(
+            not sliding or d.sliding_window >= d.block_size,
+            f"draft.sliding_window ({d.sliding_window}) must be >= draft.block_size "
+            f"({d.block_size}) for sliding_attention layers",
+        )
+        need(
+            o.bce_weight == 0,
+            "objective.bce_weight must be 0 for draft.kind: dflash (it has no confidence head)",
+        )
+    need(d.sliding_window >= 0, "draft.sliding_window must be >= 0")
+    need(d.rms_norm_eps > 0, "draft.rms_norm_eps must be > 0")
+    need(d.rope_theta > 0, "draft.rope_theta must be > 0")
+
+    need(o.num_anchors >= 1, f"objective.num_anchors must be >= 1, got {o.num_anchors}")
+    for name in ("ce_weight", "l1_weight", "bce_weight"):
+        w = getattr(o, name)
+        need(w >= 0, f"objective.{name} must be >= 0, got {w}")
+    need(
+        o.ce_weight + o.l1_weight + o.bce_weight > 0,
+        "objective: at least one of ce_weight, l1_weight, bce_weight must be > 0",
+    )
+    need(o.gamma > 0, f"objective.gamma must be > 0, got {o.gamma}")
+    need(o.chunk_size >= 0, f"objective.chunk_size must be >= 0, got {o.chunk_size}")
+    need(o.decode_chunk_size >= 0, "objective.decode_chunk_size must be >= 0")
+
+    p = r.optim
+    need(p.lr > 0, f"optim.lr must be > 0, got {p.lr}")
+    need(0 <= p.warmup_ratio < 1, f"optim.warmup_ratio must be in [0, 1), got {p.warmup_ratio}")
+    need(0 <= p.min_lr_ratio <= 1, "optim.min_lr_ratio must be in [0, 1]")
+    need(p.grad_clip >= 0, "optim.grad_clip must be >= 0 (0 disables clipping)")
+    need(len(p.betas) == 2 and all(0 <= b < 1 for b in p.betas), "optim.betas: two in [0, 1)")
+    need(p.weight_decay >= 0, "optim.weight_decay must be >= 0")
+
+    t = r.train
+    need(t.epochs >= 1 or t.max_steps >= 1, "train: set train.epochs >= 1 or train.max_steps >= 1")
+    need(t.max_steps >= 0, "train.max_steps must be >= 0")
+    need(t.micro_batch_size >= 1, "train.micro_batch_size must be >= 1")
+    need(t.grad_accum >= 1, "train.grad_accum must be >= 1")
+    need(t.log_interval >= 1, "train.log_interval must be >= 1")
+    need(t.eval_interval >= 0, "train.eval_interval must be >= 0")
+    need(t.preflight_samples >= 0, "train.preflight_samples must be >= 0 (0 = off)")
+    need(r.export.calibrate_prompts >= 0, "export.calibrate_prompts must be >= 0")
+    need(
+        r.export.calibrate_prompts == 0
+        or (
+            r.draft.kind == "dspark"
+            and r.draft.enable_confidence_head
+            and "sglang" in r.export.formats
+        ),
+        "export.calibrate_prompts > 0 needs draft.kind dspark with a confidence head and the "
+        "sglang export format",
+    )
+    se = t.served_eval
+    need(se.num_prompts >= 0, "train.served_eval.num_prompts must be >= 0")
+    need(se.max_new_tokens >= 1, "train.served_eval.max_new_tokens must be >= 1")
+    need(se.max_seconds > 0, "train.served_eval.max_seconds must be > 0")
+    need(
+        se.num_prompts == 0 or bool(se.workloads),
+        "train.served_eval.workloads: give at least one workload",
+    )
+    need(
+        t.max_nonfinite_steps >= 1,
+        f"train.max_nonfinite_steps must be >= 1, got {t.max_nonfinite_steps}",
+    )
+    need(
+        t.eval_interval == 0 or bool(r.data.eval_files),
+        "train.eval_interval > 0 needs data.eval_files (set one or set the interval to 0)",
+    )
+
+    need(
+        r.dist.zero_stage in (0, 1, 2),
+        f"dist.zero_stage must be 0, 1 or 2, got {r.dist.zero_stage}: ZeRO-3 partitions "
+        "parameters that the Markov head and the fused vocab loss read directly",
+    )
+    need(r.dist.timeout_s > 0, f"dist.timeout_s must be > 0, got {r.dist.timeout_s}")
+    need(r.checkpoint.save_interval >= 1, "checkpoint.save_interval must be >= 1")
+    need(r.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1")
+    need(len(r.export.formats) == len(set(r.export.formats)), "export.formats has duplicates")
+    need(
+        d.markov_head_type == "vanilla" or "speculators" not in r.export.formats,
+        f"export.formats: vLLM's DSpark (the speculators format) has only the vanilla Markov "
+        f"head, draft.markov_head_type is {d.markov_head_type}: drop speculators",
+    )
+
+    g = r.target
+    need(g.prefetch >= 1, f"target.prefetch must be >= 1, got {g.prefetch}")
+    need(g.batch_size >= 1, "target.batch_size must be >= 1")
+    need(g.timeout_s > 0, "target.timeout_s must be > 0")
+    need(g.max_restarts >= 0, f"target.max_restarts must be >= 0, got {g.max_restarts}")
+    need(g.restart_backoff_s >= 0, "target.restart_backoff_s must be >= 0")
+    need(
+        g.backend != "offline" or bool(g.offline_dir),
+        "target.offline_dir must be set when target.backend is offline",
+    )
+    need(r.data.max_length >= d.block_size + 1, "data.max_length must exceed draft.block_size")
+    need(r.data.max_rows >= 0, "data.max_rows must be >= 0")
+    need(r.data.regenerate.concurrency >= 1, "data.regenerate.concurrency must be >= 1")
+    return e

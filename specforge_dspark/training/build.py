@@ -1,0 +1,201 @@
+"""Build a run: distributed init, the prepared data (packed or not), the frozen target
+head, the draft under DeepSpeed, and the state restored from a checkpoint (train.py's
+`build`; the loop itself is train.py's `train`)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specforge_dspark.config.recipe import Recipe, resolved_dirs
+
+
+@dataclass
+class Run:
+    recipe: Recipe
+    rank: int
+    world: int
+    device: torch.device
+    engine: object
+    head: object
+    dataset: object
+    eval_set: object
+    state: object
+    micro_per_epoch: int
+    total_steps: int
+    dirs: dict
+    fingerprint: dict
+    """The target's features and the training data's content (checkpoint.py): saved with
+    every checkpoint, checked on resume."""
+    lock: object = None
+    """Rank 0's RunLock on train.output_dir, held until the process exits."""
+    plan: list | None = None
+    """data.pack: the dataset rows of each packed sequence (training/packing.py)."""
+    pack_of: dict | None = None
+    """data.pack: sample_id -> its packed sequence."""
+    status: object = None
+    """This rank's RunStatus writer (run_status.py): rank 0 beats its heartbeat."""
+
+    @property
+    def units(self) -> int:
+        """What an epoch orders (data_order.py): rows, or packed sequences."""
+        return len(self.dataset) if self.plan is None else len(self.plan)
+
+
+def build(recipe: Recipe, resume: str | None, status=None) -> Run:
+    """`status` (training/run_status.py RunStatus): written `running` once this job holds
+    the run lock."""
+    import deepspeed
+
+    from data_pipelines.prepare import prepare_dataset
+    from specforge_dspark.drafters.dspark import DSparkDraft
+    from specforge_dspark.drafters.registry import new_draft
+    from specforge_dspark.objective.frozen_head import load_frozen_head
+    from specforge_dspark.training import checkpoint
+    from specforge_dspark.training.data_order import restore_cursor, samples_left
+    from specforge_dspark.training.distributed import deepspeed_config, init_distributed, lr_lambda
+    from specforge_dspark.training.fingerprint import data_fingerprint, features_fingerprint
+    from specforge_dspark.training.lifecycle import acquire_run_lock
+    from specforge_dspark.training.memory import resolve_recompute
+    from specforge_dspark.training.packing import describe_plan, pack_index, pack_plan, row_lengths
+
+    rank, world, device = init_distributed(recipe)
+    dirs = resolved_dirs(recipe)
+    lock = acquire_run_lock(dirs["output"], rank)  # one job per output_dir
+    if status is not None:  # the last run's outcome never survives into this one
+        status.start()
+    resume_path = checkpoint.resolve_resume(resume, dirs["checkpoint"])
+    layout = None  # how the saved global batch is laid out on this world size
+    if resume_path is not None:  # fail fast, before data and engines are built
+        layout = checkpoint.check_saved(resume_path, recipe, world)
+    if recipe.target.tiny_arch:  # embedded recipes: every rank waits on the build lock
+        from specforge_dspark.tiny.target import build as build_tiny_target
+
+        quiet = (lambda *a: None) if rank else print
+        build_tiny_target(Path(recipe.target.path), arch=recipe.target.tiny_arch, log=quiet)
+    torch.manual_seed(recipe.train.seed)
+    dataset = prepare_dataset(recipe, split="train")  # cached; other ranks wait on its lock
+    fingerprint = {
+        "features": features_fingerprint(recipe),
+        "data": data_fingerprint(dataset),
+    }
+    if resume_path is not None:  # the same target and data, before engines are built
+        checkpoint.check_saved(resume_path, recipe, world, fingerprint)
+    plan = pack_of = None
+    if recipe.data.pack:  # a function of the prepared data: the same on every rank
+        lengths = row_lengths(dataset)
+        plan = pack_plan(lengths, recipe.data.max_length)
+        pack_of = pack_index(plan, dataset["sample_id"])
+        if rank == 0:
+            print(describe_plan(plan, lengths, recipe.data.max_length), flush=True)
+    units = len(dataset) if plan is None else len(plan)
+    eval_set = None
+    if recipe.train.eval_interval > 0:
+        eval_set = prepare_dataset(recipe, split="eval")
+        if len(eval_set) < world:
+            raise ValueError(
+                f"data.eval_files: {len(eval_set)} prepared rows, fewer than the {world} ranks"
+            )
+    t = recipe.train
+    grad_accum = layout.grad_accum if layout else t.grad_accum
+    micro_per_epoch = units // (world * t.micro_batch_size)
+    if micro_per_epoch < grad_accum:
+        what = "prepared rows" if plan is None else "packed sequences"
+        raise ValueError(
+            f"data: {units} {what} give {micro_per_epoch} micro-batches per rank "
+            f"per epoch, fewer than train.grad_accum={grad_accum}; add data or lower it"
+        )
+    per_epoch = micro_per_epoch // grad_accum
+    total = t.max_steps if t.max_steps > 0 else per_epoch * t.epochs
+
+    head_dtype = torch.bfloat16 if recipe.target.dtype == "bfloat16" else torch.float32
+    head = load_frozen_head(recipe.target.path, device=device, dtype=head_dtype)
+    if recipe.draft.init_from and recipe.draft.kind == "dflash":
+        from specforge_dspark.drafters.dflash import DFlashConfig, DFlashDraft
+
+        draft = DFlashDraft.from_pretrained(recipe.draft.init_from)
+        if draft.config != DFlashConfig.from_recipe(recipe.draft):
+            raise ValueError(f"draft.init_from {recipe.draft.init_from}: config differs")
+    elif recipe.draft.init_from:  # same slot, tap, layer ids, mask and vocab as this run
+        from specforge_dspark.export.conventions import check_conventions
+
+        check_conventions(recipe.draft.init_from, recipe)
+        draft = DSparkDraft.from_pretrained(recipe.draft.init_from)
+    else:
+        draft = new_draft(recipe.draft)
+    check_head_matches(recipe, head)
+    say = (lambda *a: None) if rank else print
+    recipe = resolve_recompute(recipe, draft, world, device, say=say)  # auto -> on / off
+    o = recipe.optim
+    opt = torch.optim.AdamW(
+        draft.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe, total))
+    engine, _, _, _ = deepspeed.initialize(
+        model=draft.to(device),
+        optimizer=opt,
+        lr_scheduler=sched,
+        config=deepspeed_config(recipe, device, grad_accum),
+    )
+    warn_if_no_skip(engine, recipe, rank)
+    state = checkpoint.TrainState(epoch_samples=0, grad_accum=grad_accum)
+    if resume_path is not None:
+        state = checkpoint.load(engine, resume_path, recipe, fingerprint)
+        state.grad_accum = grad_accum
+        restore_cursor(state, units, layout.saved_world, world, t.micro_batch_size)
+        left = samples_left(state, units, world, t.micro_batch_size)
+        said = layout.describe(state.epoch, left, units, t.grad_accum)
+        if rank == 0:
+            print(f"resumed from {resume_path} at step {state.step}", flush=True)
+        if rank == 0 and said:  # what was re-partitioned, or why grad_accum differs
+            print(said, flush=True)
+    return Run(
+        recipe,
+        rank,
+        world,
+        device,
+        engine,
+        head,
+        dataset,
+        eval_set,
+        state,
+        micro_per_epoch,
+        total,
+        dirs,
+        fingerprint,
+        lock,
+        plan,
+        pack_of,
+        status,
+    )
+
+
+def warn_if_no_skip(engine, recipe: Recipe, rank: int) -> None:
+    from specforge_dspark.training.nonfinite import skip_supported
+
+    precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+    if rank == 0 and not skip_supported(recipe.dist.zero_stage, precision):
+        print(
+            f"warning: dist.zero_stage={recipe.dist.zero_stage} with {precision}: DeepSpeed "
+            "does not skip a non-finite update here, so train.max_nonfinite_steps is ignored "
+            "and a non-finite step stops the run; ZeRO-1 or 2 skip it",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def check_head_matches(recipe: Recipe, head) -> None:
+    d = recipe.draft
+    if head.hidden_size != d.hidden_size:
+        raise ValueError(
+            f"draft.hidden_size={d.hidden_size} but the target at {recipe.target.path} has "
+            f"hidden size {head.hidden_size}; DSpark drafts share the target's hidden size"
+        )
+    if head.vocab_rows != d.vocab_size:
+        raise ValueError(
+            f"draft.vocab_size={d.vocab_size} but the target's LM head at {recipe.target.path} "
+            f"has {head.vocab_rows} rows"
+        )
