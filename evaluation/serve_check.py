@@ -33,15 +33,16 @@ from pathlib import Path
 
 import torch
 
+from specforge_dspark.config.servers import SGLangServer, VLLMServer
 from specforge_dspark.decoding.hf_target import HFTarget
 from specforge_dspark.decoding.loading import DTYPES, check_pair, head_fns, load_drafter
 from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
 from specforge_dspark.decoding.spec_decode import Generation, speculative_generate
 from specforge_dspark.drafters.registry import kind_of_dir
 from specforge_dspark.engines.inkling_layout import needs_radix_cache, sglang_layout
-from specforge_dspark.engines.sglang import ServerProcess, cli_flag, cpu_engine_args
+from specforge_dspark.engines.server import cli_flag
+from specforge_dspark.engines.sglang import ServerProcess, cpu_engine_args
 from specforge_dspark.export.conventions import check_conventions
-from specforge_dspark.config.servers import SGLangServer, VLLMServer
 
 START_TIMEOUT_S = 600.0
 

@@ -30,13 +30,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from specforge_dspark.config.servers import VLLMServer
 from specforge_dspark.decoding.hf_target import HFTarget
 from specforge_dspark.decoding.loading import DTYPES, check_pair, head_fns, load_drafter
 from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
 from specforge_dspark.decoding.spec_decode import Generation, speculative_generate
-from specforge_dspark.engines.sglang import cli_flag
+from specforge_dspark.engines.server import cli_flag
 from specforge_dspark.engines.vllm import CPU_SERVER_ARGS, VLLMServerProcess, healthy
-from specforge_dspark.config.servers import VLLMServer
 
 START_TIMEOUT_S = 600.0
 COUNTER = re.compile(r"^(vllm:spec_decode_num_[a-z_]+_total)(?:\{([^}]*)\})? ([0-9.e+]+)$", re.M)

@@ -77,9 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from evaluation.decode import decode_prompts
+    from specforge_dspark.config.recipe import load_recipe
     from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
     from specforge_dspark.drafters.registry import new_draft
-    from specforge_dspark.config.recipe import load_recipe
     from specforge_dspark.tiny.target import build as build_tiny_target
 
     torch.set_num_threads(1)

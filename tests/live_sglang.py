@@ -9,8 +9,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from specforge_dspark.engines.sglang import ServerProcess, launch_args
 from specforge_dspark.config.recipe import recipe_from_dict
+from specforge_dspark.engines.sglang import ServerProcess, launch_args
 
 LAYERS = [0, 1, 2]
 START_TIMEOUT_S = 300.0

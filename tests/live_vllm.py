@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from specforge_dspark.engines.vllm import VLLMServerProcess, healthy, launch_args
 from specforge_dspark.config.recipe import recipe_from_dict
+from specforge_dspark.engines.vllm import VLLMServerProcess, healthy, launch_args
 from tests.live_sglang import LAYERS, free_port
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
+from specforge_dspark.config.recipe import ObjectiveRecipe
 from specforge_dspark.drafters.dflash import DFlashConfig, DFlashDraft, build_dflash_masks
 from specforge_dspark.objective.frozen_head import FrozenHead
 from specforge_dspark.objective.loss import compute_loss_at
-from specforge_dspark.config.recipe import ObjectiveRecipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

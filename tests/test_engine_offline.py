@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 from specforge_dspark.cli.capture import read_samples_jsonl
-from specforge_dspark.engines.offline import MANIFEST, ShardWriter, target_fingerprint
 from specforge_dspark.config.recipe import recipe_from_dict
+from specforge_dspark.engines.offline import MANIFEST, ShardWriter, target_fingerprint
 from specforge_dspark.training.stream import FeatureStream
 
 H, LAYERS = 16, [0, 2]

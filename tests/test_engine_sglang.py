@@ -20,13 +20,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from specforge_dspark.config.recipe import load_recipe, recipe_from_dict
 from specforge_dspark.engines.features import TargetGone
 from specforge_dspark.engines.sglang import launch_args, request_body
 from specforge_dspark.engines.sglang_plugin import append_prefill_hidden_states
-from specforge_dspark.config.recipe import load_recipe, recipe_from_dict
 from specforge_dspark.training.stream import FeatureStream
 
 H, LAYERS = 128, [0, 1, 2]  # the tiny target's hidden size
+WRITE_DELAY_S = 0.5
 
 
 def fake_features(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +43,8 @@ class Mode:
 
 
 class FakeServer:
-    """behaviour: ok | stall | down (stalls, health 503) | http500 | noplugin | chunked | gap"""
+    """behaviour: ok | stall | down (stalls, health 503) | http500 | noplugin | chunked | gap
+    | late (replies first, writes WRITE_DELAY_S later: a TP rank that does not reply)"""
 
     def __init__(self):
         self.behaviour = "ok"
@@ -73,7 +75,9 @@ class FakeServer:
                     fake.release.wait(30)
                 if fake.behaviour == "http500":
                     return self._reply(500, {"error": {"message": "boom"}})
-                if fake.behaviour != "noplugin":
+                if fake.behaviour == "late":  # the reply leaves before the write lands
+                    threading.Timer(WRITE_DELAY_S, fake.schedule, (body,)).start()
+                elif fake.behaviour != "noplugin":
                     fake.schedule(body)
                 out = [
                     {"text": "", "meta_info": {"id": r, "finish_reason": {"type": "length"}}}
@@ -160,9 +164,12 @@ class S:
         self.sample_id, self.input_ids, self.loss_mask = sid, list(range(3, 3 + n)), [1] * n
 
 
-@pytest.mark.parametrize("behaviour", ["ok", "chunked"])
+@pytest.mark.parametrize("behaviour", ["ok", "chunked", "late"])
 def test_features_arrive_through_shared_memory(server, tiny_target_dir, behaviour):
-    server.behaviour = behaviour  # chunked: each sequence arrives in two prefill chunks
+    """chunked: each sequence arrives in two prefill chunks; late: the reply comes before
+    the features are written (issue 34: at TP > 1 the writer of a request need not be
+    the attention-TP rank 0 that replies), and the trainer waits on the ticket."""
+    server.behaviour = behaviour
     batches = [[S(1, 5), S(2, 9)], [S(3, 4)], [S(4, 12), S(5, 2)]]
     with FeatureStream(sglang_recipe(tiny_target_dir, server.url)) as stream:
         got = [
@@ -222,12 +229,12 @@ def test_attached_server_that_stays_down_stops_the_run_naming_it(server, tiny_ta
     "behaviour, message",
     [
         ("http500", r"failed on batch \d+ .*HTTP 500"),
-        ("noplugin", r"answered batch \d+ .* but wrote no features: is specforge_dspark"),
+        ("noplugin", r"answered batch \d+ .* but wrote no features within target.timeout_s=2s"),
         ("gap", r"could not capture batch \d+ .*rows \[3, 5\) of 5 after only 2 were written"),
     ],
 )
 def test_server_failures_name_the_server_and_the_cause(server, tiny_target_dir, behaviour, message):
-    with FeatureStream(sglang_recipe(tiny_target_dir, server.url)) as stream:
+    with FeatureStream(sglang_recipe(tiny_target_dir, server.url, timeout_s=2)) as stream:
         server.behaviour = behaviour
         with pytest.raises(RuntimeError, match=rf"sglang server {server.url} {message}"):
             list(stream.iterate([[S(1, 5)]]))
@@ -245,8 +252,8 @@ def test_a_server_interpreter_without_sglang_or_our_plugin_is_named(tmp_path):
     """The server's environment is checked before it starts (target.sglang.python)."""
     import shutil
 
+    from specforge_dspark.engines.server import engine_python
     from specforge_dspark.engines.sglang import ServerProcess
-    from specforge_dspark.engines.sglang_keeper import engine_python
 
     key = "target.sglang.python"
     with pytest.raises(ValueError, match=rf"{key}: no Python interpreter at nowhere/python"):

@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from specforge_dspark.cli.export import main
 from specforge_dspark.config.recipe import DraftRecipe, Recipe, resolved_dirs
 from specforge_dspark.drafters.dspark import (
     DSPARK_KEYS,
@@ -23,7 +24,7 @@ from specforge_dspark.drafters.dspark import (
 )
 from specforge_dspark.export import ExportError
 from specforge_dspark.export.conventions import CONVENTIONS_KEY, check_conventions
-from specforge_dspark.export.dispatch import export_checkpoint, main
+from specforge_dspark.export.dispatch import export_checkpoint
 from specforge_dspark.export.dspark import export_draft
 from specforge_dspark.objective.blocks import build_blocks
 from specforge_dspark.objective.frozen_head import FrozenHead, load_frozen_head

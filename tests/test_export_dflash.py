@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from specforge_dspark.drafters.dflash import DFlashConfig, DFlashDraft
 from specforge_dspark.export import ExportError
 from specforge_dspark.export import dflash as export_dflash
-from specforge_dspark.export.dispatch import export_checkpoint
 from specforge_dspark.export.conventions import CONVENTIONS_KEY
+from specforge_dspark.export.dispatch import export_checkpoint
 from specforge_dspark.export.source import checkpoint_kind
 from tests.sglang_shim import import_sglang
 from tests.test_dflash import TINY

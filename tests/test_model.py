@@ -10,13 +10,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from specforge_dspark.config.recipe import DraftRecipe
 from specforge_dspark.drafters.dspark import (
     DSPARK_KEYS,
     DSparkConfig,
     DSparkDraft,
     build_visibility_mask,
 )
-from specforge_dspark.config.recipe import DraftRecipe
 from tests.helpers import TINY_DRAFT
 
 

@@ -19,10 +19,10 @@ import re
 import pytest
 import torch
 
+from specforge_dspark.config.recipe import ObjectiveRecipe, recipe_from_dict
 from specforge_dspark.engines.features import Sample, pad_batch, read_target_dims
 from specforge_dspark.engines.hf import HFTarget
 from specforge_dspark.objective.loss import compute_loss_at
-from specforge_dspark.config.recipe import ObjectiveRecipe, recipe_from_dict
 from specforge_dspark.training import checkpoint as ck
 from specforge_dspark.training.data_order import batches
 from specforge_dspark.training.packing import pack_features, pack_index, pack_plan

@@ -18,11 +18,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft, build_visibility_mask
-from specforge_dspark.objective.frozen_head import FrozenHead, load_frozen_head
-from specforge_dspark.objective.blocks import build_blocks, sample_anchors
-from specforge_dspark.objective.loss import compute_loss_at
 from specforge_dspark.config.recipe import ObjectiveRecipe
+from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft, build_visibility_mask
+from specforge_dspark.objective.blocks import build_blocks, sample_anchors
+from specforge_dspark.objective.frozen_head import FrozenHead, load_frozen_head
+from specforge_dspark.objective.loss import compute_loss_at
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

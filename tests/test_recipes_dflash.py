@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import train
+from specforge_dspark.config.recipe import RecipeError, load_recipe
 from specforge_dspark.drafters.dspark import DSparkConfig
 from specforge_dspark.drafters.registry import new_draft
 from specforge_dspark.export.conventions import CONVENTIONS_KEY
 from specforge_dspark.export.speculators import speculators_config
-from specforge_dspark.config.recipe import RecipeError, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 COUNTS = {  # trainable parameters, also printed by `train.py --dry-run` and in the README

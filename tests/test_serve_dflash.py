@@ -165,11 +165,11 @@ def test_the_dflash_draft_gets_its_noise_embeddings_in_the_runners_dtype():
 def test_a_dflash_exports_conventions_are_read_and_checked(tiny_target_dir, tmp_path):
     """serve_check refuses a drafter made for another target: a DFlash export's record is
     read with its own config (no Markov rank), and it never drafts from the anchor."""
+    from specforge_dspark.config.recipe import load_recipe
     from specforge_dspark.drafters.dflash import DFlashConfig, DFlashDraft
     from specforge_dspark.export import ExportError
     from specforge_dspark.export.conventions import check_conventions, recorded_conventions
     from specforge_dspark.export.dflash import export_dflash
-    from specforge_dspark.config.recipe import load_recipe
 
     cfg = DFlashConfig.from_recipe(load_recipe(REPO / "recipes/tiny_cpu_dflash.yaml").draft)
     out = export_dflash(DFlashDraft(cfg), None, tmp_path / "dflash", tiny_target_dir)

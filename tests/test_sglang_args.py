@@ -10,17 +10,35 @@ import dataclasses
 import inspect
 import pkgutil
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
-from specforge_dspark.engines import sglang_plugin as plugin
-from specforge_dspark.engines.sglang import launch_args, request_body, validate_launch_args
-from specforge_dspark.engines.shm import DONE, DTYPE_CODES, ShmSlot, Ticket
 from specforge_dspark.config.recipe import RecipeError, load_recipe
+from specforge_dspark.engines import sglang_plugin as plugin
+from specforge_dspark.engines.sglang import launch_args, request_body
+from specforge_dspark.engines.shm import DTYPE_CODES, ShmSlot
+from specforge_dspark.engines.tickets import DONE, Ticket
 from tests.sglang_shim import import_sglang
 
 import_sglang("sglang.srt.server_args")  # make setup installs sglang: missing or broken fails
+
+
+def validate_launch_args(args: list[str]) -> Any:
+    """Run SGLang's own argument parsing and its model-independent resolution hooks
+    (`prepare_server_args` + `ServerArgs.resolve_once`, which includes
+    `handle_aux_hidden_state_capture`) on `args`; returns the resolved view. The model
+    path is swapped for "dummy" so that the checks run without the weights (the server
+    repeats all of them, model-dependent ones included, when it starts)."""
+    from sglang.srt.arg_groups.overrides import resolved_view
+    from sglang.srt.server_args import prepare_server_args
+
+    argv = list(args)
+    argv[argv.index("--model-path") + 1] = "dummy"
+    server_args = prepare_server_args(argv)
+    server_args.resolve_once()
+    return resolved_view(server_args)
 
 
 @pytest.fixture(scope="module")

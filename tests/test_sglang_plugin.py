@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from specforge_dspark.engines import sglang_plugin as plugin
-from specforge_dspark.engines.shm import DONE, DTYPE_CODES, FAILED, PENDING, ShmSlot, Ticket
+from specforge_dspark.engines import slot_writer
+from specforge_dspark.engines.shm import DTYPE_CODES, ShmSlot
+from specforge_dspark.engines.tickets import DONE, FAILED, PENDING, Ticket
 
 D, H, TP = 6, 2, 4
 FULL = SimpleNamespace(is_full=lambda: True, is_last=lambda: False)
@@ -130,4 +132,4 @@ def _offsets(slot: ShmSlot) -> tuple[int, ...]:
 @pytest.fixture(autouse=True)
 def _fresh_mappings():
     yield
-    plugin.SLOTS.close()
+    slot_writer.SLOTS.close()

@@ -1,6 +1,6 @@
 """Restart bookkeeping of the sglang backend, without SGLang (seconds).
 
-`ServerKeeper` (engines/sglang_keeper.py) with a `sleep` process standing in for the
+`ServerKeeper` (engines/server.py) with a `sleep` process standing in for the
 server: a killed server is started again, its pid file follows, at most
 target.max_restarts times in a row, and an answered request resets the count; a
 stopped process group is killed whole. The live drill (SIGKILL and SIGSTOP of a real CPU
@@ -16,8 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from specforge_dspark.engines.sglang_keeper import ServerKeeper, group_running, kill_group
 from specforge_dspark.config.recipe import recipe_from_dict
+from specforge_dspark.engines.server import ServerKeeper, group_running, kill_group
 
 
 class Sleeper:
@@ -49,7 +49,7 @@ def test_keeper_restarts_a_killed_server_at_most_max_restarts_in_a_row(tmp_path,
     recipe = recipe_from_dict({"target": {"max_restarts": 2, "restart_backoff_s": 0.01}})
     pid_file = tmp_path / "sglang_server_rank0.pid"
     keeper = ServerKeeper(
-        lambda: Sleeper(tmp_path / "log"), pid_file, lambda: True, recipe, 0, "http://h:1"
+        lambda: Sleeper(tmp_path / "log"), pid_file, lambda: True, recipe, 0, "http://h:1", "sglang"
     )
     try:
         keeper.watch()

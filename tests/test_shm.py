@@ -12,20 +12,12 @@ from collections import namedtuple
 import pytest
 import torch
 
+from specforge_dspark.config.recipe import recipe_from_dict
 from specforge_dspark.engines import features, shm
 from specforge_dspark.engines.features import TargetFeatures
-from specforge_dspark.engines.sglang_plugin import write_features
-from specforge_dspark.engines.shm import (
-    DONE,
-    DTYPE_CODES,
-    PENDING,
-    ShmSlot,
-    SlotLayout,
-    SlotMaps,
-    Ticket,
-    make_slots,
-)
-from specforge_dspark.config.recipe import recipe_from_dict
+from specforge_dspark.engines.shm import DTYPE_CODES, ShmSlot, SlotLayout, SlotMaps, make_slots
+from specforge_dspark.engines.slot_writer import write_features
+from specforge_dspark.engines.tickets import DONE, PENDING, Ticket
 
 Usage = namedtuple("Usage", "total used free")
 
@@ -69,7 +61,7 @@ def _ticketed(slot: ShmSlot, S: int) -> None:
 
 def test_a_producer_maps_a_slot_once_and_again_when_the_file_is_replaced(monkeypatch):
     maps = SlotMaps()
-    monkeypatch.setattr("specforge_dspark.engines.sglang_plugin.SLOTS", maps)
+    monkeypatch.setattr("specforge_dspark.engines.slot_writer.SLOTS", maps)
     slot = ShmSlot("mapstest", aux_width=6, hidden=4, dtype=torch.float32)
     try:
         views = slot.prepare(1, 3)

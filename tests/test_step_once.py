@@ -14,10 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from specforge_dspark.drafters.registry import new_draft
-from specforge_dspark.objective.frozen_head import FrozenHead
-from specforge_dspark.objective.blocks import sample_anchors
-from specforge_dspark.objective.loss import compute_loss_at
 from specforge_dspark.config.recipe import (
     DraftRecipe,
     ObjectiveRecipe,
@@ -26,6 +22,10 @@ from specforge_dspark.config.recipe import (
     load_recipe,
     recipe_from_dict,
 )
+from specforge_dspark.drafters.registry import new_draft
+from specforge_dspark.objective.blocks import sample_anchors
+from specforge_dspark.objective.frozen_head import FrozenHead
+from specforge_dspark.objective.loss import compute_loss_at
 from specforge_dspark.training import memory
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from specforge_dspark.cli.capture import batched, capture
+from specforge_dspark.config.recipe import recipe_from_dict
 from specforge_dspark.engines.features import (
     Sample,
     pad_batch,
@@ -24,7 +25,6 @@ from specforge_dspark.engines.features import (
 from specforge_dspark.engines.hf import HFTarget, worker_threads
 from specforge_dspark.engines.offline import ShardWriter, target_fingerprint
 from specforge_dspark.engines.shm import FILE_PREFIX, SHM_DIR, sweep_stale_slots
-from specforge_dspark.config.recipe import recipe_from_dict
 from specforge_dspark.training.stream import FeatureStream
 
 REPO = Path(__file__).resolve().parents[1]

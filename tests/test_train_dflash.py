@@ -63,9 +63,9 @@ def test_tiny_dflash_trains_exports_and_beats_its_untrained_drafter(tmp_path, ti
     stays at the unigram mode for hundreds of steps, so it trains on-policy here, on the
     target's own answers, as DFlash drafters are trained; the served text is that too."""
     from evaluation.decode import decode_prompts
+    from specforge_dspark.config.recipe import load_recipe
     from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
     from specforge_dspark.drafters.registry import new_draft
-    from specforge_dspark.config.recipe import load_recipe
     from tests.sglang_shim import import_sglang
 
     data = _regenerate(tmp_path / "regen.jsonl", 48, 64)

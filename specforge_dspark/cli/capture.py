@@ -20,6 +20,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+from specforge_dspark.config.recipe import Recipe, load_recipe
 from specforge_dspark.engines.features import (
     Sample,
     read_target_config,
@@ -27,7 +28,6 @@ from specforge_dspark.engines.features import (
     tap_convention,
 )
 from specforge_dspark.engines.offline import ShardWriter, target_fingerprint
-from specforge_dspark.config.recipe import Recipe, load_recipe
 from specforge_dspark.training.stream import FeatureStream
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from specforge_dspark.export.dspark import FORMATS
 from specforge_dspark.export.dispatch import export_checkpoint
+from specforge_dspark.export.dspark import FORMATS
 from specforge_dspark.export.speculators import SPECULATORS_VOCABS
 
 

@@ -40,8 +40,8 @@ from typing import Any
 
 import yaml
 
-from specforge_dspark.engines.features import check_layer_ids, tap_convention
 from specforge_dspark.config.recipe import load_recipe
+from specforge_dspark.engines.features import check_layer_ids, tap_convention
 
 # model_type -> what SGLang 0.5.23 does with aux layer k (paths under sglang/srt/)
 SGLANG_TAPS = {

@@ -9,7 +9,9 @@ for 4096 x 30720 floats). For a request whose rid starts with `RID_PREFIX` the w
 instead copies the aux rows (`logits_output.hidden_states`, the concatenated capture
 of `--return-aux-hidden-state-layer-ids`) and the post-norm, pre-muP last hidden rows
 (`logits_output.last_hidden_states`) into the trainer's shared-memory slot named in the
-rid, then marks the request's ticket done (see shm.py). Other requests are untouched.
+rid, then marks the request's ticket done (slot_writer.py, tickets.py). Other requests
+are untouched. In a CPU-engine server (SGLANG_USE_CPU_ENGINE=1), and only there,
+`register()` also installs the CPU bridges of engines/cpu/.
 
 Writers. Every attention-TP rank holds the same rows; each writes a share: whole requests,
 request `rid` by rank `writer_rank(rid, attn_tp_size)` (with attention DP each DP group's
@@ -18,20 +20,20 @@ a request goes to the same rank, so a ticket has one writer. Ranks come from
 `sglang.srt.runtime_context.get_parallel()`, published in every scheduler (its request
 receiver reads them). In an SGLang process (`register()` ran) whose ranks cannot be read
 no rank writes: each fails the ticket saying why (every rank writing the same rows would
-race on the ticket). Outside SGLang (the hook called directly, the vLLM connector's
-`write_features`) the caller is the only process and writes.
+race on the ticket). Outside SGLang (the hook called directly) the caller is the only
+process and writes.
 
 The copy stays on the scheduler's path, synchronous. SGLang streams a batch's replies in
 the same call that runs our hook (managers/scheduler_components/batch_result_processor.py:
 hook at 334, `output_streamer.stream_output` at 502), and the trainer reads the tickets
-when the reply arrives (engines/sglang.py `result`): a copy that finished later would
+when the reply arrives (engines/served.py `result`): a copy that finished later would
 need tickets polled and guarded against reuse of the slot. Nor would it gain GPU time:
 with overlap off (engines/sglang.py OVERLAP) the next forward is launched only after we
 return (managers/scheduler.py:2048-2049), a copy left on the forward stream runs before
 that forward anyway, and on another stream the outputs (CUDA-graph buffers) may be
 overwritten under it. What is kept short instead: a rank copies only its share, into a
-mapping opened once and page-locked on CUDA (shm.SlotMaps), so the device-to-host copy
-is one DMA into the slot at pinned bandwidth (README, "Feature supply: cost model").
+mapping opened once and page-locked on CUDA (slot_writer.SLOTS), so the device-to-host copy
+is one DMA into the slot at pinned bandwidth (docs/production.md, "Feature supply: cost model").
 
 A prefill that SGLang splits into chunks (its chunk budget is per batch, so with many
 requests in flight any sequence may be split) reaches the hook once per chunk: middle
@@ -49,24 +51,13 @@ a request may match), caps it at 0 for our requests only. The launcher also pass
 from __future__ import annotations
 
 import importlib.metadata
-import logging
+import os
 import sys
 import zlib
 
 import torch
 
-from specforge_dspark.engines.shm import (
-    CODE_DTYPES,
-    DONE,
-    FAILED,
-    PENDING,
-    TICKET_SIZE,
-    SlotMaps,
-    Ticket,
-    view,
-)
-
-logger = logging.getLogger(__name__)
+from specforge_dspark.engines.slot_writer import fail, write_features
 
 PLUGIN_NAME = "specforge_dspark"
 RID_PREFIX = "sfdspark|"
@@ -86,15 +77,12 @@ APPEND_PREFILL_PARAMS = (
 )
 """The hooked method's parameters in sglang 0.5.23 (checked by tests/test_sglang_args.py)."""
 
-SLOTS = SlotMaps()  # this process's slot mappings, kept open
 _in_sglang = False  # register() ran: this is an SGLang process
 
 
 def register() -> None:
     """Entry point: install the hook (SGLang applies it after all plugins loaded)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    from specforge_dspark.engines.cpu import sglang as sglang_cpu
 
     global _in_sglang
     if not _in_sglang:  # which environment serves: SGLang's own, not the trainer's
@@ -108,7 +96,9 @@ def register() -> None:
     _in_sglang = True
     HookRegistry.register(APPEND_PREFILL, append_prefill_hidden_states, HookType.AROUND)
     HookRegistry.register(MAX_PREFIX_LEN, max_prefix_len, HookType.AROUND)
-    if sglang_cpu.cpu_engine():
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":  # only then: engines/cpu/README.md
+        from specforge_dspark.engines.cpu import sglang as sglang_cpu
+
         sglang_cpu.register()
 
 
@@ -221,68 +211,3 @@ def writes_here(rid: str) -> bool:
     except Exception as e:
         raise RuntimeError(f"{why} ({type(e).__name__}: {e})") from None
     return cp_rank == 0 and writer_rank(rid, size) == rank
-
-
-def write_features(path: str, ticket: int, row0: int | None, aux_ND, last_NH) -> None:
-    """Copy one request's rows [row0, row0 + N) into its slot and update the ticket:
-    done once all of its rows are written. Never raises (a failure is reported to the
-    trainer through the ticket, the server keeps serving)."""
-    try:
-        buf, layout = SLOTS.get(path)
-        off = layout.tickets_off + ticket * TICKET_SIZE
-        t = Ticket.unpack(buf, off)
-        if t is None:
-            raise RuntimeError(f"no ticket {ticket} in {path}")
-        if row0 is None:
-            row0 = t.written
-        rows = aux_ND.shape[0]
-        problem = _check(t, row0, aux_ND, last_NH)
-        if problem:
-            t.status, t.error = FAILED, problem
-        elif t.status != FAILED:
-            dtype = CODE_DTYPES[t.dtype_code]
-            item = torch.empty((), dtype=dtype).element_size()
-            aux_off = t.aux_off + row0 * t.aux_width * item
-            last_off = t.last_off + row0 * t.hidden * item
-            view(buf, dtype, aux_off, (rows, t.aux_width)).copy_(aux_ND)
-            view(buf, dtype, last_off, (rows, t.hidden)).copy_(last_NH)
-            t.written = row0 + rows
-            t.status = DONE if t.written == t.rows else PENDING
-        buf[off : off + TICKET_SIZE] = t.pack().ljust(TICKET_SIZE, b"\0")
-    except Exception:
-        logger.exception("specforge_dspark: could not hand features to %s", path)
-
-
-def _check(t: Ticket, row0: int, aux_ND, last_NH) -> str:
-    rows = aux_ND.shape[0]
-    if last_NH is None:
-        return "server returned no last hidden states (--enable-return-aux-hidden-states off?)"
-    if row0 != 0 and row0 != t.written:
-        return (
-            f"server sent rows [{row0}, {row0 + rows}) of {t.rows} after only {t.written} "
-            "were written (a prefix cache hit? pass --disable-radix-cache)"
-        )
-    if row0 + rows > t.rows:
-        return (
-            f"server prefilled rows [{row0}, {row0 + rows}) of a {t.rows}-token sequence "
-            "(the request and the ticket disagree)"
-        )
-    if aux_ND.shape[-1] != t.aux_width or last_NH.shape[-1] != t.hidden:
-        return (
-            f"server captured aux width {aux_ND.shape[-1]} / hidden {last_NH.shape[-1]}, "
-            f"trainer expects {t.aux_width} / {t.hidden} (layer ids or target differ)"
-        )
-    return ""
-
-
-def fail(path: str, ticket: int, message: str) -> None:
-    """Mark a ticket failed with `message` (best effort)."""
-    try:
-        buf, layout = SLOTS.get(path)
-        off = layout.tickets_off + ticket * TICKET_SIZE
-        t = Ticket.unpack(buf, off)
-        if t is not None:
-            t.status, t.error = FAILED, message
-            buf[off : off + TICKET_SIZE] = t.pack().ljust(TICKET_SIZE, b"\0")
-    except Exception:
-        logger.exception("specforge_dspark: could not report to %s", path)

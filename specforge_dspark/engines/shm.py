@@ -1,12 +1,12 @@
 """Shared-memory slots: where a target engine writes features for the trainer to read.
 
 A slot is one file under /dev/shm (tmpfs: pages exist only once touched), mapped by
-the trainer and by the producer (the hf worker, or the SGLang scheduler through our
-plugin). Tensors are views of the mapping, so nothing is pickled or copied on the way.
-Layout, all offsets 64-byte aligned:
+the trainer and by the producer (the hf worker, or an engine's scheduler or worker
+through slot_writer.py). Tensors are views of the mapping, so nothing is pickled or
+copied on the way. Layout, all offsets 64-byte aligned:
 
     header   magic, capacity (tokens), max_seqs, aux width D, hidden H, dtype, offsets
-    tickets  max_seqs x 256 bytes: per-sequence request/answer records (sglang backend)
+    tickets  max_seqs x 256 bytes: per-sequence request/answer records (tickets.py)
     ids      int64 [capacity]          input ids, [B, S] row-major
     aux      dtype [capacity, D]       aux hidden states, [B, S, D]
     last     dtype [capacity, H]       post-norm last hidden states, [B, S, H]
@@ -16,8 +16,8 @@ keeping their mappings open (SlotMaps). Where CUDA is present both sides page-lo
 mappings (`pin`): a GPU copies into or out of a slot by direct DMA at pinned bandwidth, and
 the trainer's host-to-GPU copy can be asynchronous (features.TargetFeatures.to; a slot
 waits for such copies before it is rewritten or unmapped: `note_read`, `wait_reads`).
-This module imports only the standard library and torch, so the SGLang plugin can use
-it inside the server.
+This module imports only the standard library, torch and tickets.py, so the slot writer
+can use it inside every engine's server.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from specforge_dspark.engines.tickets import TICKET_SIZE, Ticket
+
 logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -45,11 +47,6 @@ CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 
 _HEADER = struct.Struct("<8s9q")  # magic, capacity, max_seqs, D, H, dtype, 4 offsets
 _MAGIC = b"SFDSPK01"
-_TICKET = struct.Struct("<8s9q176s")  # magic, status, rows, written, offsets..., error
-TICKET_SIZE = 256
-_TICKET_MAGIC = b"SFDTKT01"
-
-PENDING, DONE, FAILED = 0, 1, 2
 
 
 def _align(n: int) -> int:
@@ -111,47 +108,6 @@ class SlotLayout:
         ):
             raise RuntimeError(f"{where}: slot header offsets disagree with its sizes")
         return plan
-
-
-@dataclass
-class Ticket:
-    """One sequence's request/answer record inside a slot (used by the sglang backend)."""
-
-    status: int
-    rows: int  # tokens expected
-    written: int  # tokens the producer wrote
-    aux_off: int  # byte offset of this sequence's first aux row
-    last_off: int  # byte offset of its first last-hidden row
-    aux_width: int
-    hidden: int
-    dtype_code: int
-    error: str = ""
-
-    def pack(self) -> bytes:
-        err = self.error.encode()[:176]
-        return _TICKET.pack(
-            _TICKET_MAGIC,
-            self.status,
-            self.rows,
-            self.written,
-            self.aux_off,
-            self.last_off,
-            self.aux_width,
-            self.hidden,
-            self.dtype_code,
-            0,
-            err,
-        )
-
-    @staticmethod
-    def unpack(buf, offset: int) -> Ticket | None:
-        magic, status, rows, written, a_off, l_off, aux_w, hidden, code, _, err = (
-            _TICKET.unpack_from(buf, offset)
-        )
-        if magic != _TICKET_MAGIC:
-            return None
-        text = err.rstrip(b"\0").decode(errors="replace")
-        return Ticket(status, rows, written, a_off, l_off, aux_w, hidden, code, text)
 
 
 def map_file(path: str | Path, size: int | None = None) -> mmap.mmap:
@@ -305,7 +261,7 @@ class ShmSlot:
 
     def write_ticket(self, index: int, ticket: Ticket) -> None:
         off = self.ticket_offset(index)
-        self.buf[off : off + _TICKET.size] = ticket.pack()
+        self.buf[off : off + TICKET_SIZE] = ticket.pack()
 
     def read_ticket(self, index: int) -> Ticket | None:
         return Ticket.unpack(self.buf, self.ticket_offset(index))

@@ -1,5 +1,6 @@
 """vLLM side of the `vllm` backend: captured hidden states go to the trainer by shared
-memory, through the same slot and ticket protocol as the SGLang plugin (shm.py).
+memory, through the same slots, tickets and slot writer as the SGLang plugin (shm.py,
+tickets.py, slot_writer.py).
 
 Loaded by vLLM itself (`--kv-transfer-config '{"kv_connector": "ShmHiddenStatesConnector",
 "kv_connector_module_path": "specforge_dspark.engines.vllm_connector", ...}'`), in a vLLM
@@ -11,7 +12,7 @@ safetensors file, through pinned memory and CUDA events. This subclass keeps its
 scheduler side (which blocks a finished request's cache rows until the worker has read
 them) and replaces the worker side: it copies the rows straight into the trainer's slot
 named by the request's `kv_transfer_params` ({"sfdspark_slot": path, "sfdspark_ticket":
-i}), synchronously, and marks the ticket done (sglang_plugin.write_features). No file,
+i}), synchronously, and marks the ticket done (slot_writer.write_features). No file,
 no pinned memory, no event: the same code runs on CPU (where the example fails:
 "pin_memory=True requires a CUDA or other accelerator backend", and the CPU event
 placeholder has no `.query()`) and on GPU (one device-to-host copy per request).
@@ -33,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
-from specforge_dspark.engines.sglang_plugin import fail, write_features
+from specforge_dspark.engines.slot_writer import fail, write_features
 from specforge_dspark.engines.vllm import SLOT_KEY, TICKET_KEY
 
 

@@ -13,7 +13,8 @@ DSPARK_SPEC.md section 6 is the contract; the installed serving code decided the
 Modules: `source` reads what an export starts from; `conventions` is the record every
 layout carries and the check of it; `sglang` writes the SGLang layout (DSPARK and
 DFLASH); `speculators` builds the vLLM layout; `dspark` and `dflash` export one drafter
-kind each; `dispatch` picks the export of the checkpoint's drafter kind (the command line is cli/export.py).
+kind each; `dispatch` picks the export of the checkpoint's drafter kind (the command line
+is cli/export.py).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from specforge_dspark.config.recipe import Recipe, recipe_from_dict
 from specforge_dspark.drafters.dflash import ARCHITECTURE as DFLASH_ARCH
 from specforge_dspark.drafters.dflash import DFlashConfig
 from specforge_dspark.drafters.dspark import DSparkConfig
@@ -28,7 +29,6 @@ from specforge_dspark.engines.features import tap_convention
 from specforge_dspark.export import ExportError
 from specforge_dspark.export.source import resolve_checkpoint
 from specforge_dspark.objective.frozen_head import config_value, logical_vocab
-from specforge_dspark.config.recipe import Recipe, recipe_from_dict
 
 CONVENTIONS_KEY = "specforge_dspark"
 CONVENTIONS_VERSION = 1

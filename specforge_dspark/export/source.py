@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
+from specforge_dspark.config.recipe import Recipe, recipe_from_dict
 from specforge_dspark.drafters.dflash import ARCHITECTURE as DFLASH_ARCH
 from specforge_dspark.export import ExportError
-from specforge_dspark.config.recipe import Recipe, recipe_from_dict
 from specforge_dspark.training import checkpoint
 
 

@@ -12,7 +12,7 @@ with their sample ids. Memory is bounded: prefetch + 1 shared-memory slots per r
 are valid until the iterator advances. A dead worker (`TargetLost`) or one that leaves a
 request unanswered for `target.timeout_s` (TimeoutError) is restarted, when its engine
 can (`restart()`: the hf worker; the sglang server, which the rank that started it starts
-again while the others wait for it, engines/sglang.py), after
+again while the others wait for it, engines/served.py), after
 `target.restart_backoff_s * 2**(k-1)` seconds for the k-th restart in a row; the
 requests in flight are then re-sent in their order, so
 the caller sees the same batches in the same order, each once, and a deterministic
@@ -27,6 +27,7 @@ unwinds and the engine is stopped cleanly.
 
 from __future__ import annotations
 
+import pkgutil
 import signal
 import sys
 import threading
@@ -58,6 +59,13 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+SERVED_ENGINES = {
+    "sglang": "specforge_dspark.engines.sglang:SGLangEngine",
+    "vllm": "specforge_dspark.engines.vllm:VLLMEngine",
+}
+"""Backends with a live server (engines/served.py): a new one is its module plus a line."""
+
+
 def make_engine(recipe, rank: int, world_size: int, num_slots: int) -> Engine:
     """The backend named by `target.backend` (imported lazily: sglang needs extras)."""
     backend = recipe.target.backend
@@ -67,14 +75,8 @@ def make_engine(recipe, rank: int, world_size: int, num_slots: int) -> Engine:
 
         dims = read_target_dims(recipe.target.path, recipe.draft.target_layer_ids)
         return HFEngine(recipe, dims, rank, world_size, num_slots)
-    if backend == "sglang":
-        from specforge_dspark.engines.sglang import SGLangEngine
-
-        return SGLangEngine(recipe, rank, world_size, num_slots)
-    if backend == "vllm":
-        from specforge_dspark.engines.vllm import VLLMEngine
-
-        return VLLMEngine(recipe, rank, world_size, num_slots)
+    if backend in SERVED_ENGINES:
+        return pkgutil.resolve_name(SERVED_ENGINES[backend])(recipe, rank, world_size, num_slots)
     if backend == "offline":
         from specforge_dspark.engines.offline import OfflineEngine
 

@@ -28,7 +28,9 @@ BENCHES = {
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in (*BENCHES, "all"):
-        print(f"usage: python -m specforge_dspark.cli.bench {{{'|'.join([*BENCHES, 'all'])}}} [args]")
+        print(
+            f"usage: python -m specforge_dspark.cli.bench {{{'|'.join([*BENCHES, 'all'])}}} [args]"
+        )
         return 2
     name, rest = argv[0], argv[1:]
     if name != "all":

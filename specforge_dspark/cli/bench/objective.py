@@ -98,9 +98,9 @@ def _objective_once(
     """Build random weights and features, warm up, time one forward+backward."""
     import torch
 
+    from specforge_dspark.config.recipe import DraftRecipe, ObjectiveRecipe
     from specforge_dspark.drafters.registry import loss_fn, new_draft
     from specforge_dspark.objective.frozen_head import FrozenHead
-    from specforge_dspark.config.recipe import DraftRecipe, ObjectiveRecipe
 
     dtype = getattr(torch, DTYPES[dtype_name])
     torch.manual_seed(0)

@@ -118,9 +118,9 @@ def step_once(a: argparse.Namespace, G: int, shape: dict) -> str:
     import torch
 
     import specforge_dspark
+    from specforge_dspark.config.recipe import DraftRecipe, ObjectiveRecipe
     from specforge_dspark.drafters.registry import loss_fn, new_draft
     from specforge_dspark.objective.frozen_head import FrozenHead
-    from specforge_dspark.config.recipe import DraftRecipe, ObjectiveRecipe
 
     print(f"step package={Path(specforge_dspark.__file__).resolve()}", flush=True)
     device, dtype = torch.device(device_name), getattr(torch, DTYPES[shape["dtype"]])

@@ -24,8 +24,6 @@ nothing here runs on GPUs. Each hook names the SGLang code it bridges:
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from specforge_dspark.engines.cpu import sglang_dflash as sglang_cpu_dflash
@@ -33,10 +31,6 @@ from specforge_dspark.engines.cpu import sglang_inkling as sglang_cpu_inkling
 
 SPECULATIVE_HOOK = "sglang.srt.arg_groups.speculative_hook"
 TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
-
-
-def cpu_engine() -> bool:
-    return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1"
 
 
 def register() -> None:

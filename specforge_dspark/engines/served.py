@@ -1,0 +1,319 @@
+"""The trainer side of a served engine (SGLang, vLLM, the next transport), for one rank.
+
+A served engine is a live server the features come from through shared-memory slots
+(shm.py) and tickets (tickets.py). What every such engine does the same lives here, in
+`ServedEngine`: the rank's slots; the server the node's local rank 0 starts
+(`<output_dir>/<engine>_server_rank<r>.log`, its pid in `..._rank<r>.pid` for the node's
+other ranks), under a `server.ServerKeeper`, or an attached one (`target.<engine>.url`);
+readiness (the health URL, then one probe request through the whole path); issuing a
+ticket per sequence; waiting for the reply against the caller's deadline while watching
+the server; checking the reply and the tickets; restarting a dead or hung server. An
+engine module subclasses it with what only that engine knows: the server it launches,
+how a batch becomes requests (`post`), and what its rows still need (`finish`).
+
+Restarts (`restart()`, called by the stream, which then re-sends what was in flight): a
+server still running is hung, so this rank kills its process group (pid from the pid
+file); the keeper of the rank that started it starts it again on the same port; every
+rank waits until it answers (`target.<engine>.startup_timeout_s`). Attached servers are
+not ours: the trainer waits for them to answer again, or stops with the error that ended
+the wait. An engine whose servers are not restarted sets `restart = None`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specforge_dspark.engines.features import (
+    DTYPES,
+    PaddedBatch,
+    TargetDims,
+    TargetFeatures,
+    TargetGone,
+    TargetLost,
+    read_target_dims,
+)
+from specforge_dspark.engines.server import (
+    EngineServer,
+    ServerKeeper,
+    group_running,
+    http_ok,
+    kill_group,
+    read_pid,
+    say,
+)
+from specforge_dspark.engines.shm import (
+    DTYPE_CODES,
+    ShmSlot,
+    SlotViews,
+    make_slots,
+    sweep_stale_slots,
+)
+from specforge_dspark.engines.tickets import DONE, FAILED, PENDING, Ticket
+
+POLL_S = 0.2  # how often a wait looks at the server and the tickets
+HEALTH_POLL_S = 0.5
+
+
+class ServedEngine:
+    """Trainer side of one served engine for one rank (module docstring)."""
+
+    engine = ""
+    """The engine's name: its server's name in messages, its recipe section target.<engine>."""
+    health_path = ""
+    """The server's health URL path: 200 once it serves."""
+    no_features_hint = ""
+    """What to check when the server answered but wrote nothing (after 'wrote no features')."""
+
+    def __init__(self, recipe, rank: int, num_slots: int, restarts: bool):
+        t, section = recipe.target, getattr(recipe.target, self.engine)
+        self.recipe, self.rank, self.timeout_s = recipe, rank, t.timeout_s
+        self.startup_timeout_s = section.startup_timeout_s
+        self.dims: TargetDims = read_target_dims(t.path, recipe.draft.target_layer_ids)
+        self.url = (section.url or f"http://{section.host}:{section.port}").rstrip("/")
+        self.dtype = DTYPES[t.dtype]
+        sweep_stale_slots()
+        self.slots = make_slots(
+            rank, num_slots, self.dims.aux_width, self.dims.hidden_size, self.dtype, recipe
+        )
+        self.futures: dict[int, Future] = {}
+        self.slot_busy: list[Future | None] = [None] * num_slots
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        out = Path(recipe.train.output_dir)
+        node = rank - local_rank
+        self.pid_file = None if section.url else out / f"{self.engine}_server_rank{node}.pid"
+        self.restarts = restarts
+        self.keeper: ServerKeeper | None = None
+        if self.pid_file is not None and local_rank == 0:
+            log = out / f"{self.engine}_server_rank{rank}.log"
+            self.keeper = ServerKeeper(
+                lambda: self.launch(log),
+                self.pid_file,
+                self.healthy,
+                recipe,
+                rank,
+                self.url,
+                self.engine,
+            )
+        self._ready = False
+        self._server_pid: int | None = None  # the server the requests in flight went to
+        self._failure = ""  # the first line of the last failed request's error
+
+    # ------------------------------------------------------------ what an engine adds
+
+    def launch(self, log_path: Path) -> EngineServer:
+        """Start this rank's server (local rank 0 of a node, when not attached)."""
+        raise NotImplementedError
+
+    def post(self, seq: int, slot: ShmSlot, batch: PaddedBatch) -> Future:
+        """Send batch `seq`, whose tickets are in `slot`; the future holds the reply."""
+        raise NotImplementedError
+
+    def finish(self, views: SlotViews, b: int, rows: int) -> None:
+        """Whatever sequence b's `rows` written rows still need before training."""
+
+    # ------------------------------------------------------------------ the server
+
+    @property
+    def server(self) -> EngineServer | None:
+        """The server this rank started (None: another rank's, or attached)."""
+        return self.keeper.server if self.keeper else None
+
+    @property
+    def name(self) -> str:
+        pid = f" (pid {self.server.proc.pid})" if self.server else ""
+        return f"{self.engine} server {self.url}{pid}"
+
+    def healthy(self) -> bool:
+        return http_ok(f"{self.url}{self.health_path}")
+
+    def _current_pid(self) -> int | None:
+        """The pid of this node's server now (None: attached, or not known yet)."""
+        if self.server is not None:
+            return self.server.proc.pid
+        return read_pid(self.pid_file) if self.pid_file else None
+
+    def _check_server(self, what: str) -> None:
+        code = self.server.exit_code() if self.server else None
+        if code is not None:
+            raise TargetLost(
+                f"{self.name} died (exit code {code}) during {what}; last log lines "
+                f"({self.server.log_path}):\n{self.server.tail()}"
+            )
+
+    def wait_ready(self) -> None:
+        if self._ready:
+            return
+        limit = self.startup_timeout_s
+        deadline = time.monotonic() + limit
+        while not self.healthy():
+            if self.keeper is not None and self.keeper.gave_up:
+                raise RuntimeError(self.keeper.gave_up)
+            if self._server_pid is None:  # first start: a server that exits fails the run
+                self._check_server("start-up")
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.name} not healthy within target.{self.engine}.startup_timeout_s="
+                    f"{limit:g}s"
+                )
+            time.sleep(HEALTH_POLL_S)
+        self._ready = True
+        self._server_pid = self._current_pid()
+        ids = torch.tensor([[1, 2]])
+        probe = PaddedBatch([-1], ids, torch.ones_like(ids), torch.tensor([2]))
+        self.submit(-1, probe)
+        self.result(-1, probe, time.monotonic() + self.timeout_s)
+        if self.keeper is not None and self.restarts:
+            self.keeper.watch()
+
+    def restart(self) -> None:
+        """Bring the server back after a failed request; the caller re-sends what was in
+        flight. A server still running is hung: kill its process group (unless it was
+        replaced meanwhile); the keeper of the starting rank starts it again. Then wait
+        until it answers (target.<engine>.startup_timeout_s)."""
+        self._ready = False
+        pid = self._current_pid()
+        if pid is not None and pid == self._server_pid:
+            if group_running(pid):
+                say(
+                    f"[rank {self.rank}] {self.engine} server {self.url} (pid {pid}) stopped "
+                    f"answering (target.timeout_s={self.timeout_s:g}s); killing its process group"
+                )
+            kill_group(pid)
+        failure = self._failure
+        try:
+            self.wait_ready()
+        except (TargetLost, TimeoutError):
+            if self.pid_file is not None:
+                raise  # the starting rank may still bring it back: the stream tries again
+            key = f"target.{self.engine}"
+            raise TargetGone(
+                f"{failure} (attached server, {key}.url: the trainer does not restart it, "
+                f"and it did not answer again within {key}.startup_timeout_s="
+                f"{self.startup_timeout_s:g}s)"
+            ) from None
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, seq: int, batch: PaddedBatch) -> None:
+        index = seq % len(self.slots)
+        busy = self.slot_busy[index]
+        if busy is not None:  # an abandoned request may still write here: let it finish
+            try:
+                busy.result(timeout=self.timeout_s)
+            except Exception:
+                pass
+        slot = self.slots[index]
+        issue_tickets(slot, batch)
+        fut = self.post(seq, slot, batch)
+        self.futures[seq] = fut
+        self.slot_busy[index] = fut
+
+    def result(self, seq: int, batch: PaddedBatch, deadline: float) -> TargetFeatures:
+        self.wait_ready()
+        what = "the start-up probe" if seq < 0 else f"batch {seq} (sample ids {batch.sample_ids})"
+        try:
+            reply = self._wait_reply(self.futures.pop(seq), deadline, what)
+        except (TargetLost, TimeoutError) as e:
+            self._failure = str(e).splitlines()[0]
+            raise
+        if self.keeper is not None:
+            self.keeper.answered()
+        check_reply(reply, self.name, what)
+        slot = self.slots[seq % len(self.slots)]
+        views = slot.prepare(*batch.shape)
+        for b in range(batch.shape[0]):  # the reply is no proof of the write: under TP
+            n = int(batch.lengths[b])  # any rank may write, attention-TP rank 0 replies
+            self._wait_ticket(slot, b, n, deadline, f"{what}, sequence {b}")
+            self.finish(views, b, n)
+            views.aux_hidden[b, n:] = 0
+            views.last_hidden[b, n:] = 0
+        return TargetFeatures(
+            batch.sample_ids,
+            batch.input_ids,
+            batch.loss_mask,
+            batch.lengths,
+            views.aux_hidden,
+            views.last_hidden,
+        )
+
+    def _wait_reply(self, fut: Future, deadline: float, what: str) -> Any:
+        """The reply to one request; TargetLost when the server is gone, TimeoutError
+        when it does not answer by `deadline`."""
+        while True:
+            try:
+                return fut.result(timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
+            except FutureTimeout:
+                self._check_server(f"the wait for {what}")
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"{self.name} did not answer {what} within target.timeout_s="
+                        f"{self.timeout_s:g}s (stalled or overloaded server)"
+                    ) from None
+            except TargetLost as e:  # no connection: the server is gone or going
+                self._check_server(f"the wait for {what}")
+                raise TargetLost(f"{self.name} failed on {what}: {e}") from None
+            except RuntimeError as e:
+                raise RuntimeError(f"{self.name} failed on {what}: {e}") from None
+
+    def _wait_ticket(self, slot: ShmSlot, b: int, rows: int, deadline: float, what: str) -> None:
+        """Until sequence b's ticket says all `rows` rows are written (checked once when
+        `deadline` has passed); RuntimeError naming the cause when they are not."""
+        while True:
+            t = slot.read_ticket(b)
+            if t is not None and t.status == DONE and t.written == rows:
+                return
+            if t is not None and t.status == FAILED:
+                raise RuntimeError(f"{self.name} could not capture {what}: {t.error}")
+            self._check_server(f"the wait for {what}")
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"{self.name} answered {what} but wrote no features within "
+                    f"target.timeout_s={self.timeout_s:g}s{self.no_features_hint}"
+                )
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        if self.keeper is not None:
+            self.keeper.stop()
+        for slot in self.slots:
+            slot.close()
+
+
+def issue_tickets(slot: ShmSlot, batch: PaddedBatch) -> SlotViews:
+    """Fit `slot` to `batch` and issue a pending ticket per sequence: its rows, and where
+    they go (sequence b's rows start at row b * S of the slot's aux and last arrays)."""
+    B, S = batch.shape
+    views = slot.prepare(B, S)
+    lay, item = slot.layout, views.aux_hidden.element_size()
+    for b in range(B):
+        ticket = Ticket(
+            status=PENDING,
+            rows=int(batch.lengths[b]),
+            written=0,
+            aux_off=lay.aux_off + b * S * lay.aux_width * item,
+            last_off=lay.last_off + b * S * lay.hidden * item,
+            aux_width=lay.aux_width,
+            hidden=lay.hidden,
+            dtype_code=DTYPE_CODES[lay.dtype],
+        )
+        slot.write_ticket(b, ticket)
+    return views
+
+
+def check_reply(reply: Any, name: str, what: str) -> None:
+    """RuntimeError when the server's reply (one JSON object or a list of them) says it
+    refused or aborted the request."""
+    outputs = reply if isinstance(reply, list) else [reply]
+    for out in outputs:
+        if not isinstance(out, dict) or "error" in out:
+            raise RuntimeError(f"{name} refused {what}: {str(out)[:500]}")
+        finish = (out.get("meta_info") or {}).get("finish_reason") or {}
+        if isinstance(finish, dict) and finish.get("type") == "abort":
+            raise RuntimeError(f"{name} aborted {what}: {finish.get('message')}")

@@ -1,0 +1,67 @@
+"""The ticket protocol: one fixed-size record per sequence inside a shared-memory slot.
+
+The trainer issues a ticket per sequence of a request (status PENDING, the rows it
+expects, where its rows go in the slot, their width and dtype); the producer inside the
+engine (slot_writer.py, called by the SGLang plugin and the vLLM connector) copies the rows
+there and marks the ticket DONE once all of them are written, or FAILED with the reason.
+The trainer reads the tickets, not the engine's reply, to know what was written
+(served.py): with tensor parallelism any rank may write, and vLLM's connector writes after
+the reply may have left. Standard library only: it runs inside every engine's venv.
+
+Record (256 bytes, little-endian): magic, status, rows, written, aux_off, last_off,
+aux_width, hidden, dtype code, a reserved word, then up to 176 bytes of UTF-8 error text.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+_TICKET = struct.Struct("<8s9q176s")  # magic, status, rows, written, offsets..., error
+TICKET_SIZE = _TICKET.size  # 256
+_TICKET_MAGIC = b"SFDTKT01"
+
+PENDING, DONE, FAILED = 0, 1, 2
+
+
+@dataclass
+class Ticket:
+    """One sequence's request/answer record inside a slot."""
+
+    status: int
+    rows: int  # tokens expected
+    written: int  # tokens the producer wrote
+    aux_off: int  # byte offset of this sequence's first aux row
+    last_off: int  # byte offset of its first last-hidden row
+    aux_width: int
+    hidden: int
+    dtype_code: int
+    error: str = ""
+
+    def pack(self) -> bytes:
+        """The record: TICKET_SIZE bytes."""
+        err = self.error.encode()[:176]
+        return _TICKET.pack(
+            _TICKET_MAGIC,
+            self.status,
+            self.rows,
+            self.written,
+            self.aux_off,
+            self.last_off,
+            self.aux_width,
+            self.hidden,
+            self.dtype_code,
+            0,
+            err,
+        )
+
+    @staticmethod
+    def unpack(buf, offset: int) -> Ticket | None:
+        """The ticket at `offset` of `buf`; None when none was issued there."""
+        magic, status, rows, written, a_off, l_off, aux_w, hidden, code, _, err = (
+            _TICKET.unpack_from(buf, offset)
+        )
+        if magic != _TICKET_MAGIC:
+            return None
+        text = err.rstrip(b"\0").decode(errors="replace")
+        return Ticket(status, rows, written, a_off, l_off, aux_w, hidden, code, text)

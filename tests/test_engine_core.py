@@ -1,0 +1,194 @@
+"""One engine core, CPU bridges apart (issue 33), checked on the source and in a subprocess.
+
+- Engines share one core (server.py, served.py, tickets.py, slot_writer.py): no module
+  named after one engine imports a module named after another, and the core imports no
+  engine module; the slot writer, which runs inside every engine's venv (installed there
+  with --no-deps), imports only the standard library, torch and the slot modules.
+- The CPU bridges (engines/cpu/) never reach a GPU server: its launch environment has no
+  engines/cpu path and no TRITON_INTERPRET, the SGLang plugin's `register()` imports
+  engines.cpu only in a CPU-engine process, and nothing else in the product imports it.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from specforge_dspark.engines import server, sglang, vllm
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINES = REPO / "specforge_dspark" / "engines"
+PACKAGE = "specforge_dspark.engines"
+CORE = ("server", "served", "tickets", "slot_writer", "shm", "features")
+WRITER_SIDE = {"slot_writer", "shm", "tickets"}
+CPU_PATH = str(ENGINES / "cpu")
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module `path` imports, function-local ones included, by absolute name."""
+    package = _module(path) if path.name == "__init__.py" else _module(path).rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _engine_modules() -> dict[str, set[str]]:
+    """engines module (name under engines/) -> the engines modules it imports."""
+    out = {}
+    for path in sorted(ENGINES.rglob("*.py")):
+        if "shims" in path.parts:
+            continue
+        name = _module(path).removeprefix(PACKAGE + ".")
+        out[name] = {
+            m.removeprefix(PACKAGE + ".") for m in _imports(path) if m.startswith(PACKAGE + ".")
+        }
+    return out
+
+
+def _leaf(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
+def test_no_engine_module_imports_another_engines_module():
+    bad = []
+    for name, imported in _engine_modules().items():
+        for engine, other in (("vllm", "sglang"), ("sglang", "vllm")):
+            if engine in _leaf(name):
+                bad += [f"{name} -> {m}" for m in imported if other in _leaf(m)]
+    assert not bad, f"an engine module imports another engine's: {bad}"
+
+
+def test_the_core_imports_no_engine_module():
+    modules = _engine_modules()
+    bad = [
+        f"{core} -> {m}"
+        for core in CORE
+        for m in modules[core]
+        if "sglang" in _leaf(m) or "vllm" in _leaf(m) or m.startswith("cpu")
+    ]
+    assert not bad, bad
+
+
+def test_the_slot_writer_imports_only_what_every_engine_venv_has():
+    """slot_writer, shm, tickets: stdlib, torch, each other (installed with --no-deps)."""
+    bad = []
+    for name in WRITER_SIDE:
+        for m in _imports(ENGINES / f"{name}.py"):
+            top = m.split(".")[0]
+            ours = m == PACKAGE or m.removeprefix(PACKAGE + ".").split(".")[0] in WRITER_SIDE
+            if top == "specforge_dspark" and not ours:
+                bad.append(f"{name} -> {m}")
+            elif top not in ("specforge_dspark", "torch", "__future__"):
+                if top not in sys.stdlib_module_names:
+                    bad.append(f"{name} -> {m}")
+    assert not bad, bad
+
+
+def test_only_the_cpu_package_and_the_plugin_import_the_cpu_bridges():
+    sources = [REPO / "train.py"]
+    for pkg in ("specforge_dspark", "evaluation", "data_pipelines", "scripts"):
+        sources += sorted((REPO / pkg).rglob("*.py"))
+    allowed = {ENGINES / "sglang_plugin.py"}
+    bad = [
+        str(path.relative_to(REPO))
+        for path in sources
+        if path not in allowed
+        and ENGINES / "cpu" not in path.parents
+        and any(m == f"{PACKAGE}.cpu" or m.startswith(f"{PACKAGE}.cpu.") for m in _imports(path))
+    ]
+    assert not bad, f"engines.cpu imported outside engines/cpu and the plugin: {bad}"
+
+
+def _no_cpu_bridge(env: dict[str, str]) -> None:
+    assert "TRITON_INTERPRET" not in env and "SGLANG_USE_CPU_ENGINE" not in env
+    assert not any(p.startswith(CPU_PATH) for p in env.get("PYTHONPATH", "").split(os.pathsep))
+
+
+def test_a_gpu_servers_environment_has_no_cpu_bridge(monkeypatch, tmp_path):
+    base = {"PATH": "/usr/bin", "PYTHONPATH": "/elsewhere", "RANK": "3"}
+    _no_cpu_bridge(sglang.server_env(cpu_engine=False, base=base, interpret_triton=True))
+    _no_cpu_bridge(vllm.server_env(cpu=False, triton_interpreter=True, base=base))
+    cpu = sglang.server_env(cpu_engine=True, base=base)  # the contrast: a CPU-engine server
+    assert cpu["PYTHONPATH"].split(os.pathsep)[0].startswith(CPU_PATH)
+    for shims in (sglang.CPU_SHIMS, vllm.CPU_SHIMS):  # the paths the CPU servers get exist
+        assert shims.is_dir() and Path(CPU_PATH) in shims.parents
+    assert (sglang.CPU_SHIMS / "sgl_kernel" / "__init__.py").is_file()
+    assert (vllm.CPU_SHIMS / "sitecustomize.py").is_file()
+
+    launched: list[tuple[list[str], dict[str, str]]] = []
+
+    class Popen:  # what the launcher would start, and with which environment
+        pid = 12345
+
+        def __init__(self, command, env, **kwargs):
+            launched.append((command, env))
+
+    monkeypatch.setattr(server.subprocess, "Popen", Popen)
+    monkeypatch.setattr(sglang, "engine_python", lambda *a: "/engine/python")
+    monkeypatch.setattr(vllm, "engine_python", lambda *a: "/engine/python")
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    args = ["--attention-backend", "triton"]
+    sglang.ServerProcess("python", args, tmp_path / "sglang.log", cpu_engine=False)
+    vllm.VLLMServerProcess("python", [], tmp_path / "vllm.log", False, "k", True)
+    assert [c[:3] for c, _ in launched] == [
+        ["/engine/python", "-m", "sglang.launch_server"],
+        ["/engine/python", "-m", "vllm.entrypoints.openai.api_server"],
+    ]
+    for _, env in launched:
+        _no_cpu_bridge(env)
+
+
+REGISTER = textwrap.dedent(
+    """
+    import os, sys
+    from tests.sglang_shim import import_sglang
+    registry = import_sglang("sglang.srt.plugins.hook_registry")
+    from specforge_dspark.engines import sglang_plugin
+    sglang_plugin.register()  # a GPU server's plugin: SGLANG_USE_CPU_ENGINE unset
+    loaded = sorted(m for m in sys.modules if m.startswith("specforge_dspark.engines.cpu"))
+    print("gpu:", loaded)
+    registry.HookRegistry.reset()
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # the contrast: a CPU-engine server
+    sglang_plugin.register()
+    print("cpu:", "specforge_dspark.engines.cpu.sglang" in sys.modules)
+    """
+)
+
+
+def test_the_plugin_of_a_gpu_server_never_imports_the_cpu_bridges():
+    if importlib.util.find_spec("sglang") is None:  # .venv has it (--no-deps, make setup)
+        pytest.skip("sglang is not installed here")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env.pop("SGLANG_USE_CPU_ENGINE", None)
+    r = subprocess.run(
+        [sys.executable, "-c", REGISTER],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "gpu: []" in r.stdout and "cpu: True" in r.stdout, r.stdout + r.stderr[-2000:]
