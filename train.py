@@ -100,10 +100,17 @@ EXIT_STOPPED = 143
 
 
 def dry_run(recipe: Recipe, world: int = 1) -> int:
-    """Build the draft on the meta device and print what a real run would hold."""
+    """Build the draft on the meta device and print what a real run would hold; a served
+    target's launch arguments are checked by the engine itself (launch_check.py)."""
+    from specforge_dspark.training.launch_check import check_launch_args
     from specforge_dspark.training.memory import dry_run_summary
 
-    print("\n".join(dry_run_summary(recipe, world)))
+    try:
+        checked = check_launch_args(recipe)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join([*dry_run_summary(recipe, world), *checked]))
     return 0
 
 

@@ -6,6 +6,7 @@ ingest.py      robust jsonl / json / parquet row reading (bad lines become rejec
 formats.py     sharegpt / messages / pairs -> validated messages; reject reasons
 render.py      chat-template rendering and the assistant-only loss mask
 regenerate.py  `python -m data_pipelines.regenerate`: the target answers the prompts
-backends.py    OpenAI-compatible server (asyncio + aiohttp) and local hf generate
+regen_jobs.py  its input rows -> jobs, one per answer ("<id>#k" for further samples)
+backends.py    OpenAI-compatible server, SGLang /generate (asyncio + aiohttp), local hf
 journal.py     exactly-once, resumable jsonl output
 """

@@ -1,25 +1,28 @@
 """On-policy regeneration: the target answers the training prompts itself.
 
     python -m data_pipelines.regenerate --recipe R --input FILE --out FILE
-        [--backend hf|openai] [--url URL] [--concurrency N] [--batch-size N]
+        [--backend hf|openai|sglang] [--url URL] [--concurrency N] [--batch-size N]
         [--max-new-tokens N] [--temperature T] [--top-p P] [--chat-template-kwargs JSON]
         [--samples N --opening-tokens K [--opening-temperature T]]
         [--errors FILE] [--retry-errors] [key.sub=value ...]
 
-Input rows are read like `prepare` reads them (sharegpt, messages, pairs, or MT-Bench
-style `{"turns": [str, ...]}`); only the system and user turns are kept. The user turns
-are answered in order, each conditioned on the target's own earlier answers. Output rows
-(OpenAI messages, ready for `prepare`): `{"id", "source", "messages", "finish_reasons"}`
-with any reasoning in the assistant turns' `reasoning_content`. The row id is the
-input's `id` field, else "file:row"; with `--samples N` the further answers to a row are
-rows "<id>#1" .. "<id>#N-1", each answer of which opens with K tokens sampled at the
-opening temperature and continues as configured (greedy by default: the target's own
-greedy trajectories from N-1 more starting points). Output is exactly-once and resumable
-(see journal.py): rerun the same command after a crash or kill to finish the job. Rows that
-cannot be done go to the errors file with a reason; when many rows in a row fail for
-transient reasons (server down) the run stops with exit status 1 instead of failing
-every row, and a rerun retries them. Defaults come from the recipe's `data.regenerate`
-section; flags override them.
+Backends (backends.py): hf generates in this process; openai asks a chat server; sglang
+sends token ids to an SGLang server's /generate, so that an answer opened by sampled
+tokens continues from exactly those tokens. Input rows are read like `prepare` reads
+them (sharegpt, messages, pairs, or MT-Bench style `{"turns": [str, ...]}`); only the
+system and user turns are kept (regen_jobs.py). The user turns are answered in order,
+each conditioned on the target's own earlier answers. Output rows (OpenAI messages, ready
+for `prepare`): `{"id", "source", "messages", "finish_reasons"}` with any reasoning in the
+assistant turns' `reasoning_content`. The row id is the input's `id` field, else
+"file:row"; with `--samples N` the further answers to a row are rows "<id>#1" ..
+"<id>#N-1" (input ids containing "#" are then refused before anything is generated), each
+answer of which opens with K tokens sampled at the opening temperature and continues as
+configured (greedy by default: the target's own greedy trajectories from N-1 more starting
+points). Output is exactly-once and resumable (see journal.py): rerun the same command
+after a crash or kill to finish the job. Rows that cannot be done go to the errors file
+with a reason; when many rows in a row fail for transient reasons (server down) the run
+stops with exit status 1 instead of failing every row, and a rerun retries them. Defaults
+come from the recipe's `data.regenerate` section; flags override them.
 """
 
 from __future__ import annotations
@@ -32,109 +35,15 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from data_pipelines.backends import Answer, RequestError
-from data_pipelines.formats import (
-    ROLE_ALIASES,
-    FormatConfig,
-    Message,
-    RowError,
-    detect_format,
-    parse_turn,
-)
-from data_pipelines.ingest import count_rows, read_rows
+from data_pipelines.backends import Answer, OpenAIBackend, RequestError, SGLangBackend
+from data_pipelines.formats import FormatConfig, Message
+from data_pipelines.ingest import count_rows
 from data_pipelines.journal import Journal
-
-
-@dataclass
-class Job:
-    id: str
-    source: str
-    prompts: list[Message]
-    """An optional system turn, then the user turns, in order."""
-    opening: int = 0
-    """Tokens of each answer sampled at the opening temperature before the configured
-    decoding takes over (0: all of it as configured)."""
-
-
-def prompts_of(value, cfg: FormatConfig) -> list[Message]:
-    """The system and user turns of one input row; RowError if there is no user turn."""
-    if not isinstance(value, dict):
-        raise RowError("row_not_object", f"got {type(value).__name__}")
-    if cfg.format == "auto" and isinstance(value.get("turns"), list):
-        turns = [{"role": "user", "content": t} for t in value["turns"]]
-    elif detect_format(value, cfg) == "pairs":
-        if cfg.prompt_field not in value:
-            raise RowError("missing_field", cfg.prompt_field)
-        turns = [{"role": "user", "content": value[cfg.prompt_field]}]
-    else:
-        key = "conversations" if "conversations" in value else "messages"
-        turns = value.get(key)
-        if not isinstance(turns, list):
-            raise RowError("conversation_not_list", f"{key} is {type(turns).__name__}")
-    keep = []
-    for i, t in enumerate(turns):
-        role = t.get("role", t.get("from")) if isinstance(t, dict) else None
-        if isinstance(role, str) and ROLE_ALIASES.get(role.strip().lower()) == "assistant":
-            continue  # the target writes its own answers
-        m = parse_turn(t, i)
-        if m["role"] == "tool":
-            raise RowError("tool_turns_unsupported", f"turn {i}")
-        keep.append({"role": m["role"], "content": m["content"]})
-    if any(m["role"] == "system" for m in keep[1:]):
-        raise RowError("misplaced_system")
-    system = value.get("system")
-    if not (keep and keep[0]["role"] == "system"):
-        text = system if isinstance(system, str) and system.strip() else cfg.system_prompt
-        if text:
-            keep.insert(0, {"role": "system", "content": text})
-    if not any(m["role"] == "user" for m in keep):
-        raise RowError("no_user_turn")
-    return keep
-
-
-def jobs(files: list[str], cfg: FormatConfig, journal: Journal, max_rows: int, rc) -> Iterator[Job]:
-    """Answers still to do: per input row, `rc.samples` of them (the first as configured,
-    the others opened by `rc.opening_tokens` sampled tokens, ids "<id>#k"). Unusable
-    rows go to the errors file (once) and are skipped."""
-    seen: set[str] = set()
-    for path in files:
-        taken = 0
-        for raw in read_rows(path):
-            if raw.blank:
-                continue
-            if max_rows and taken >= max_rows:
-                break
-            taken += 1
-            value = raw.value
-            rid = raw.source
-            if raw.error is None and isinstance(value, dict):
-                if isinstance(value.get("id"), str | int) and not isinstance(value["id"], bool):
-                    rid = str(value["id"])
-            if rid in seen:  # report under a distinct id so the first row stays valid
-                rid, dup = f"{rid}@{raw.source}", rid
-                if not journal.is_done(rid):
-                    journal.error(rid, raw.source, "duplicate_id", f"id {dup!r}")
-                continue
-            seen.add(rid)
-            ids = [rid] + [f"{rid}#{k}" for k in range(1, rc.samples)]
-            todo = [i for i in ids if not journal.is_done(i)]
-            if not todo:
-                continue
-            try:
-                problem, prompts = raw.error, prompts_of(value, cfg) if not raw.error else []
-            except RowError as e:
-                problem = (e.reason, e.detail)
-            if problem:  # reported once, under the row's own id
-                if not journal.is_done(rid):
-                    journal.error(rid, raw.source, *problem)
-                continue
-            for i in todo:
-                yield Job(i, raw.source, prompts, 0 if i == rid else rc.opening_tokens)
+from data_pipelines.regen_jobs import Job, check_ids, jobs
 
 
 class _Conversation:
@@ -184,7 +93,7 @@ async def _converse(backend, job: Job, journal: Journal) -> RequestError | None:
     conv = _Conversation(job)
     try:
         while conv.advance():
-            conv.take(await backend.answer(conv.history))
+            conv.take(await backend.answer(conv.history, job.opening))
     except RequestError as e:
         conv.error = e
     conv.finish(journal)
@@ -198,12 +107,12 @@ class ServerDown(RuntimeError):
 ABORT_STREAK = 16
 
 
-async def run_openai(todo: Iterator[Job], rc, journal: Journal, bar, retries: int) -> None:
-    """Conversations in parallel (at most rc.concurrency requests in flight), each row
-    written the moment it finishes, in whatever order that is."""
-    from data_pipelines.backends import OpenAIBackend
-
-    async with OpenAIBackend(rc, rc.concurrency, retries) as backend:
+async def run_served(todo: Iterator[Job], backend, journal: Journal, bar) -> None:
+    """Conversations in parallel on a server backend (openai or sglang; at most
+    rc.concurrency requests in flight), each row written the moment it finishes, in
+    whatever order that is."""
+    rc = backend.rc
+    async with backend:
         queue: asyncio.Queue = asyncio.Queue(rc.concurrency * 2)
 
         async def feed() -> None:
@@ -274,6 +183,10 @@ def _total(files: list[str], max_rows: int, samples: int) -> int | None:
     return samples * sum(min(c, max_rows) if max_rows else c for c in counts)
 
 
+SERVED = {"openai": OpenAIBackend, "sglang": SGLangBackend}
+"""Server backends by data.regenerate.backend (the hf backend generates in this process)."""
+
+
 def _check(rc, target_path: str, files: list[str]) -> str | None:
     """The first problem with the settings, naming the flag / recipe key, or None."""
     if not files:
@@ -283,10 +196,10 @@ def _check(rc, target_path: str, files: list[str]) -> str | None:
         return f"input file not found: {missing[0]}"
     if rc.concurrency < 1 or rc.batch_size < 1:
         return "--concurrency / --batch-size (data.regenerate.*) must be >= 1"
-    if rc.backend == "openai" and not rc.url:
-        return "--url (data.regenerate.url) is needed for the openai backend"
-    if rc.backend == "hf" and not target_path:
-        return "target.path is needed for the hf backend"
+    if rc.backend in SERVED and not rc.url:
+        return f"--url (data.regenerate.url) is needed for the {rc.backend} backend"
+    if rc.backend != "openai" and not target_path:
+        return f"target.path is needed for the {rc.backend} backend (its tokenizer)"
     if rc.samples < 1 or rc.opening_tokens < 0:
         return "--samples must be >= 1 and --opening-tokens >= 0 (data.regenerate.*)"
     if rc.samples > 1 and rc.opening_tokens == 0 and rc.temperature == 0:
@@ -298,10 +211,10 @@ def _check(rc, target_path: str, files: list[str]) -> str | None:
         return "--opening-tokens must be below --max-new-tokens"
     if rc.opening_tokens and rc.opening_temperature <= 0:
         return "--opening-temperature must be > 0"
-    if rc.opening_tokens and rc.samples > 1 and rc.backend != "hf":
+    if rc.opening_tokens and rc.samples > 1 and rc.backend == "openai":
         return (
-            "--opening-tokens needs the hf backend: a chat server cannot continue a partial "
-            "answer token-exactly (use --temperature for several answers per prompt there)"
+            "--opening-tokens needs the hf or sglang backend: a chat server cannot continue a "
+            "partial answer token-exactly (use --temperature for several answers there)"
         )
     return None
 
@@ -316,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--errors", type=Path, help="errors jsonl (default: <out>.errors.jsonl)")
     ap.add_argument("--retry-errors", action="store_true", help="redo rows that failed before")
     ap.add_argument("--format", choices=["auto", "sharegpt", "messages", "pairs"])
-    ap.add_argument("--backend", choices=["hf", "openai"])
+    ap.add_argument("--backend", choices=["hf", "openai", "sglang"])
     ap.add_argument("--url")
     ap.add_argument("--model")
     ap.add_argument("--concurrency", type=int)
@@ -329,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--opening-temperature", type=float, help="their temperature (1.0)")
     ap.add_argument("--chat-template-kwargs", type=json.loads, help='JSON, e.g. {"x": 1}')
     ap.add_argument("--timeout", type=float, dest="request_timeout_s")
-    ap.add_argument("--retries", type=int, default=3, help="per request (openai backend)")
+    ap.add_argument("--retries", type=int, default=3, help="per request (server backends)")
     ap.add_argument("--max-rows", type=int, help="rows per file (default: data.max_rows)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     ap.add_argument("overrides", nargs="*", help="recipe overrides, key.sub=value")
@@ -346,11 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     d = recipe.data
     files = a.input or d.train_files
     problem = _check(rc, recipe.target.path, files)
+    max_rows = d.max_rows if a.max_rows is None else a.max_rows
+    problem = problem or check_ids(files, max_rows, rc.samples)
     if problem:
         print(f"regenerate: {problem}", file=sys.stderr)
         return 2
     cfg = FormatConfig(a.format or d.format, d.prompt_field, d.response_field, d.system_prompt)
-    max_rows = d.max_rows if a.max_rows is None else a.max_rows
     errors = a.errors or a.out.with_name(a.out.name.removesuffix(".jsonl") + ".errors.jsonl")
     journal = Journal(a.out, errors, a.retry_errors)
     total = _total(files, max_rows, rc.samples)
@@ -359,8 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     try:
         todo = jobs(files, cfg, journal, max_rows, rc)
-        if rc.backend == "openai":
-            asyncio.run(run_openai(todo, rc, journal, bar, a.retries))
+        if rc.backend in SERVED:
+            backend = SERVED[rc.backend](rc, a.retries, recipe.target.path)
+            asyncio.run(run_served(todo, backend, journal, bar))
         else:
             from data_pipelines.backends import HFBackend
 

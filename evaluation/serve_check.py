@@ -53,10 +53,16 @@ ALGORITHMS = {"dspark": "DSPARK", "dflash": "DFLASH"}
 
 
 def server_args(
-    target: str, draft: str, port: int, dtype: str, device: str, sts: Path | None = None
+    target: str,
+    draft: str,
+    port: int,
+    dtype: str,
+    device: str,
+    sts: Path | None = None,
+    tp_size: int = 1,
 ) -> list[str]:
     """`sglang.launch_server` arguments that serve `draft` for `target` greedily (with the
-    confidence calibration `sts` when given)."""
+    confidence calibration `sts` when given) at tensor-parallel size `tp_size`."""
     served = sglang_layout(target, log=lambda *a: None)  # a transformers Inkling: converted
     args = ["--model-path", str(served), "--port", str(port), "--host", "127.0.0.1"]
     algorithm = ALGORITHMS[kind_of_dir(draft)]
@@ -66,9 +72,9 @@ def server_args(
     args += ["--dtype", dtype, "--disable-overlap-schedule"]
     if not needs_radix_cache(served):  # SGLang's Inkling asserts it on
         args += ["--disable-radix-cache"]
-    if device == "cpu":
-        for key, value in cpu_engine_args(served).items():
-            args += cli_flag(key, value)
+    engine = cpu_engine_args(served) if device == "cpu" else {}
+    for key, value in {**engine, "tp_size": tp_size}.items():
+        args += cli_flag(key, value)
     return args
 
 
@@ -177,6 +183,7 @@ def serve_check(
     dtype: str = "float32",
     log=print,
     sglang_python: str = SGLangServer.python,
+    tp_size: int = 1,
 ) -> dict:
     """Serve `draft` with SGLang, decode with the harness, compare; returns the report.
     A DRAFT/sts_calibration.json (evaluation/calibrate.py) is served with it; the report's
@@ -198,7 +205,7 @@ def serve_check(
     sts = sts if sts.is_file() else None
     server = ServerProcess(
         sglang_python,
-        server_args(str(target), str(draft), port, dtype, device, sts),
+        server_args(str(target), str(draft), port, dtype, device, sts, tp_size),
         out / "sglang_server.log",
         cpu_engine=device == "cpu",
         key="--sglang-python",
@@ -251,6 +258,7 @@ def serve_check(
         "draft": str(draft),
         "dtype": dtype,
         "max_new_tokens": max_new_tokens,
+        "tp_size": tp_size,
     }
     (out / "serve_check.json").write_text(json.dumps(report, indent=1))
     disagree = [r for r in rows if not r["agree"]]
@@ -281,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--harness-draft", help="vllm: SGLang export of the same checkpoint")
     ap.add_argument("--vllm-python", default=VLLMServer.python, help="vLLM's interpreter")
     ap.add_argument("--sglang-python", default=SGLangServer.python, help="SGLang's interpreter")
+    ap.add_argument("--tp-size", type=int, default=1, help="SGLang's tensor-parallel size")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)  # the server shares this machine's cores
     specs = [w for w in a.workloads.split(",") if w.strip()]
@@ -294,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if report["agree"] else 1
     report = serve_check(
         a.target, a.draft, specs, a.num_prompts, a.max_new_tokens, a.out, a.port, a.device,
-        a.dtype, sglang_python=a.sglang_python,
+        a.dtype, sglang_python=a.sglang_python, tp_size=a.tp_size,
     )  # fmt: skip
     return 0 if report["agree"] else 1
 

@@ -19,7 +19,13 @@ os.environ.setdefault("VLLM_CACHE_ROOT", str(REPO / ".cache" / "vllm"))
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 
-SERVER_FIXTURES = {"sglang_server", "chunked_server", "vllm_server", "inkling_server"}
+SERVER_FIXTURES = {
+    "sglang_server",
+    "chunked_server",
+    "vllm_server",
+    "inkling_server",
+    "tp2_server",
+}
 
 
 def pytest_collection_modifyitems(config, items):

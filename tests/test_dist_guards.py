@@ -26,7 +26,8 @@ from specforge_dspark.config.recipe import load_recipe
 from specforge_dspark.training import distributed as d
 
 recipe = load_recipe("recipes/tiny_cpu.yaml", [
-    "dist.timeout_s=3", "target.backend=sglang", "target.sglang.startup_timeout_s=60"])
+    "dist.timeout_s=3", "target.backend=sglang", "target.sglang.startup_timeout_s=60",
+    "target.max_restarts=0"])  # mid-run restarts would have to fit in dist.timeout_s
 rank, world, _ = d.init_distributed(recipe)
 mode = sys.argv[1]
 if rank == 1:

@@ -141,8 +141,9 @@ def test_a_gpu_servers_environment_has_no_cpu_bridge(monkeypatch, tmp_path):
     class Popen:  # what the launcher would start, and with which environment
         pid = 12345
 
-        def __init__(self, command, env, **kwargs):
-            launched.append((command, env))
+        def __init__(self, command, env=None, **kwargs):
+            if server.REAPER not in command:  # the server's, not its reaper's (reaper.py)
+                launched.append((command, env))
 
     monkeypatch.setattr(server.subprocess, "Popen", Popen)
     monkeypatch.setattr(sglang, "engine_python", lambda *a: "/engine/python")

@@ -340,3 +340,27 @@ def test_cpu_engine_launch_args_take_server_args_overrides(tiny_target_dir):
     assert "--disable-overlap-schedule" in args and args[args.index("--dtype") + 1] == "float32"
     recipe.target.device = "cuda"  # a GPU server gets none of the CPU-engine defaults
     assert "--device" not in launch_args(recipe) and "--sleep-on-idle" not in launch_args(recipe)
+
+
+def test_cpu_engine_ranks_get_their_own_cores():
+    """SGLANG_CPU_OMP_THREADS_BIND for a CPU-engine server of tp x dp x pp ranks: the
+    cores split into contiguous groups; fewer cores than ranks is refused naming why."""
+    from specforge_dspark.engines.sglang import cpu_thread_binding, server_env, server_ranks
+
+    assert cpu_thread_binding(2, [0, 1]) == "0|1"
+    assert cpu_thread_binding(2, [0, 1, 2, 3, 4]) == "0-2|3-4"
+    assert cpu_thread_binding(1, [4, 5]) == "4-5"
+    with pytest.raises(ValueError, match="2 CPU-engine ranks .* this host gives 1"):
+        cpu_thread_binding(2, [0])
+    assert server_ranks(["--tp-size", "2", "--dp-size", "2"]) == 4
+    assert server_ranks(["--model-path", "x"]) == 1
+    env = server_env(True, base={}, ranks=2)
+    assert env["SGLANG_CPU_OMP_THREADS_BIND"].count("|") == 1
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in server_env(True, base={}, ranks=1)
+    assert (
+        server_env(True, base={"SGLANG_CPU_OMP_THREADS_BIND": "0|0"}, ranks=2)[
+            "SGLANG_CPU_OMP_THREADS_BIND"
+        ]
+        == "0|0"
+    )  # a user's own setting is kept
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in server_env(False, base={}, ranks=8)  # GPU

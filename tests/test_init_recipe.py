@@ -207,7 +207,12 @@ def test_inkling_matches_the_production_seed(tmp_path):
     args = raw["target"]["sglang"]["server_args"]
     assert raw["target"]["backend"] == "sglang" and args["tp_size"] == 8
     assert args["quantization"] == "modelopt_fp4" and args["attention_backend"] == "fa4"
-    assert raw["dist"] == {"backend": "nccl", "zero_stage": 2, "precision": "bf16"}
+    assert raw["dist"] == {
+        "backend": "nccl",
+        "zero_stage": 2,
+        "precision": "bf16",
+        "timeout_s": 12000,
+    }
     assert raw["train"]["grad_accum"] == 1
 
 

@@ -190,3 +190,14 @@ def test_no_product_module_reads_a_fault_switch():
         if name in path.read_text()
     ]
     assert not bad, bad
+
+
+def test_the_readme_is_a_front_door():
+    """The README rule with the others (STYLE.md item 11): at most 200 lines, every link of
+    README.md and docs/*.md resolves (tests/test_readme.py holds these checks, the
+    two-commands and measured.md rules, and the tests that they can fail)."""
+    from tests.test_readme import MAX_README_LINES, broken_links
+
+    lines = len((REPO / "README.md").read_text().splitlines())
+    assert lines <= MAX_README_LINES, f"README.md has {lines} lines"
+    assert not broken_links(REPO), broken_links(REPO)

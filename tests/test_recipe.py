@@ -124,6 +124,23 @@ def test_problems_are_collected_into_one_error(tmp_path):
             {"draft": {"markov_head_type": "gated"}},
             "vLLM's DSpark (the speculators format) has only the vanilla Markov head",
         ),
+        (
+            {"target": {"backend": "sglang", "sglang": {"server_args": {"pp_size": 2}}}},
+            "target.sglang.server_args.pp_size=2: pipeline parallelism has not run",
+        ),
+        (
+            {"target": {"backend": "sglang", "sglang": {"server_args": {"dp_size": 2}}}},
+            "target.sglang.server_args.dp_size=2: data parallelism inside the server",
+        ),
+        (
+            {
+                "target": {
+                    "backend": "sglang",
+                    "sglang": {"server_args": {"enable_dp_attention": True, "tp_size": 8}},
+                }
+            },
+            "target.sglang.server_args.enable_dp_attention=True: DP attention has not run",
+        ),
     ],
 )
 def test_bad_values(raw, needle):

@@ -10,7 +10,8 @@ import pytest
 from data_pipelines.backends import RequestError, chat_url, parse_openai_response
 from data_pipelines.formats import FormatConfig, RowError
 from data_pipelines.journal import Journal
-from data_pipelines.regenerate import main, prompts_of
+from data_pipelines.regen_jobs import prompts_of
+from data_pipelines.regenerate import main
 
 
 def test_prompts_of_keeps_system_and_user_turns_in_order():
@@ -149,7 +150,7 @@ def test_hf_samples_open_with_sampled_tokens_then_decode_greedily(
     import torch
 
     from data_pipelines.backends import HFBackend
-    from specforge_dspark.config.recipe import RegenerateRecipe
+    from specforge_dspark.config.servers import RegenerateRecipe
 
     src = tmp_path / "in.jsonl"
     rows = [{"id": "a", "question": "Who are you?"}, {"id": "b", "question": "What is 2+3?"}]
@@ -194,7 +195,7 @@ def test_hf_samples_open_with_sampled_tokens_then_decode_greedily(
         (["--samples", "2"], "repeats the first answer"),
         (["--samples", "2", "--opening-tokens", "4", "--max-new-tokens", "4"], "below --max-new"),
         (["--samples", "2", "--opening-tokens", "2", "--backend", "openai", "--url", "http://h"],
-         "needs the hf backend"),
+         "needs the hf or sglang backend"),
     ],
 )  # fmt: skip
 def test_regenerate_refuses_samples_it_cannot_make(tmp_path, capsys, flags, message):

@@ -143,12 +143,11 @@ def test_registered_hook_wraps_the_real_method(monkeypatch):
             )
             assert end == 2 and theirs.hidden_states == [out.hidden_states[:2].tolist()]
 
-            views = slot.prepare(1, 3)
+            views = slot.prepare([3])
             lay = slot.layout
-            slot.write_ticket(
-                0, Ticket(0, 3, 0, lay.aux_off, lay.last_off, 6, 2, DTYPE_CODES[torch.float32])
-            )
-            ours = SimpleNamespace(rid=plugin.make_rid("n", 0, str(slot.path)), hidden_states=[])
+            code = DTYPE_CODES[torch.float32]
+            slot.write_ticket(0, Ticket(0, 3, 0, lay.aux_off, lay.last_off, 6, 2, code, nonce=1))
+            ours = SimpleNamespace(rid=plugin.make_rid(1, 0, str(slot.path)), hidden_states=[])
             end = Processor._append_prefill_hidden_states(
                 None,
                 req=ours,
@@ -159,8 +158,8 @@ def test_registered_hook_wraps_the_real_method(monkeypatch):
             )
             assert end == 5 and ours.hidden_states == []  # no JSON lists for ours
             assert slot.read_ticket(0).status == DONE
-            assert torch.equal(views.aux_hidden[0], out.hidden_states[2:5])
-            assert torch.equal(views.last_hidden[0], out.last_hidden_states[2:5])
+            assert torch.equal(views.aux, out.hidden_states[2:5])
+            assert torch.equal(views.last, out.last_hidden_states[2:5])
         finally:
             Processor._append_prefill_hidden_states = original
             HookRegistry.reset()

@@ -5,7 +5,9 @@ chunks still arrives whole; 30 training steps give the same losses on either bac
 a server killed mid-run with target.max_restarts=0 fails the job within 30 s naming the
 server, and `--resume auto` then finishes with the losses and weights of an uninterrupted
 run; with restarts, a server SIGKILLed and later SIGSTOPped mid-run is brought back and
-the run trains the same samples with the same losses.
+the run trains the same samples with the same losses, under a dist.timeout_s (400 s) no
+longer than the recipe rule allows (config/validate.py): no rank's collective times out
+while the server restarts.
 """
 
 from __future__ import annotations
@@ -75,6 +77,40 @@ def test_live_server_features_equal_the_hf_backend(sglang_server, tiny_qwen3_dir
     start = sglang_server.start_seconds
     print(f"live SGLang vs hf features: max abs diff {diff:.3g} (server start {start:.0f}s)")
     assert diff <= 1e-5  # fp32; values reach ~10, kernels see other batch shapes
+
+
+def test_regenerate_on_sglang_continues_an_opening_like_the_hf_backend(
+    sglang_server, tiny_qwen3_dir
+):
+    """`regenerate --backend sglang --opening-tokens K`: the opening sampled by the live
+    server, then its greedy continuation of prompt + opening (token ids in, token ids out)
+    equals the hf backend's greedy continuation of the same ids, token for token."""
+    import asyncio
+
+    from data_pipelines.backends import HFBackend, SGLangBackend
+    from specforge_dspark.config.servers import RegenerateRecipe
+
+    rc = RegenerateRecipe(backend="sglang", url=sglang_server.url, max_new_tokens=24)
+    served = SGLangBackend(rc, 0, str(tiny_qwen3_dir))
+    hf = HFBackend(str(tiny_qwen3_dir), rc)
+    for question in ("Natalia sold clips to 48 of her friends.", "What is 2 + 3?"):
+        prompt = hf.chat.prompt_ids([{"role": "user", "content": question}])
+
+        async def ask(prompt=prompt):
+            async with served:
+                opening, _ = await served.generate(prompt, 4, 1.0, 1.0)
+                rest, _ = await served.generate(prompt + opening, 20, 0.0, 1.0)
+                return opening, rest
+
+        opening, rest = asyncio.run(ask())
+        assert len(opening) == 4 and not set(opening) & hf.chat.eos_ids
+        hf.rc = RegenerateRecipe(max_new_tokens=20)
+        head = torch.tensor([prompt + opening])
+        want = hf.generate_ids(head, torch.ones_like(head))[0]
+        for ids in (rest, want):  # each up to its end of turn (SGLang may leave it out)
+            del ids[next((k for k, t in enumerate(ids) if t in hf.chat.eos_ids), len(ids)) :]
+        print(f"opening {opening}: sglang {rest}, hf {want}")
+        assert rest == want and rest
 
 
 PLUGIN_LOADED = r"specforge_dspark plugin loaded in (\S+) \(torch (\S+), sglang (\S+)\)"
@@ -220,9 +256,11 @@ def _reach(out: Path, job: subprocess.Popen, step: int, timeout: float = 300) ->
 def test_killed_then_hung_server_is_restarted_and_the_run_is_unchanged(runs):
     out, port = runs / "restarted", free_port()
     url = f"http://127.0.0.1:{port}"
+    # a small dist.timeout_s that still holds 2 restarts x 180 s (config/validate.py)
     job = _train(
         out, "sglang", "--resume", "none", f"target.sglang.port={port}", "target.timeout_s=20",
-        "target.restart_backoff_s=0.2", wait=False,
+        "target.restart_backoff_s=0.2", "target.max_restarts=2",
+        "target.sglang.startup_timeout_s=180", "dist.timeout_s=400", wait=False,
     )  # fmt: skip
     pid_file = out / "sglang_server_rank0.pid"  # the server rank 0 started (its group leader)
     killed = stopped = 0
@@ -251,7 +289,11 @@ def test_killed_then_hung_server_is_restarted_and_the_run_is_unchanged(runs):
     served = re.findall(PLUGIN_LOADED, (out / "sglang_server_rank0.log").read_text())
     assert {Path(p).name for p, *_ in served} == {".venv-sglang"}, "started in SGLang's venv"
     assert int(pid_file.read_text()) not in (killed, stopped), "the hung server was not replaced"
-    assert f"[rank 0] sglang server {url} (pid {killed}) died (exit code -9); restarting" in text
+    assert (
+        f"[rank 0] sglang server {url} (pid {killed}) died (exit code -9); restarting it (1 of "
+        "target.max_restarts=2 in a row) in 0.2s, to answer within "
+        "target.sglang.startup_timeout_s=180s"
+    ) in text
     assert f"sglang server {url} (pid {stopped}) stopped answering" in text, text[-3000:]
     pattern = rf"sglang server {url} \(pid \d+\) restarted in ([\d.]+)s"
     restarts = [float(t) for t in re.findall(pattern, text)]

@@ -28,17 +28,17 @@ def _fake_context(monkeypatch, parallel) -> None:
     monkeypatch.setattr(plugin, "_in_sglang", True)
 
 
+NONCE = 5  # the nonce of every ticket here (the rids carry it)
+
+
 def _slot(tickets: list[int]) -> ShmSlot:
-    """A slot with one pending ticket per entry of `tickets` (its row count)."""
+    """A slot with one pending ticket per entry of `tickets` (its row count), ragged."""
     slot = ShmSlot("plugintest", aux_width=D, hidden=H, dtype=torch.float32)
-    S = max(tickets)
-    slot.prepare(len(tickets), S)
-    lay = slot.layout
+    views = slot.prepare(tickets)
+    code = DTYPE_CODES[torch.float32]
     for b, rows in enumerate(tickets):
-        aux_off = lay.aux_off + b * S * D * 4
-        last_off = lay.last_off + b * S * H * 4
-        code = DTYPE_CODES[torch.float32]
-        slot.write_ticket(b, Ticket(PENDING, rows, 0, aux_off, last_off, D, H, code))
+        t = Ticket(PENDING, rows, 0, *views.offsets(b), D, H, code, nonce=NONCE)
+        slot.write_ticket(b, t)
     return slot
 
 
@@ -66,16 +66,16 @@ def test_each_request_is_written_by_exactly_one_tp_rank(monkeypatch):
     writers: dict[int, list[int]] = {}
     real = plugin.write_features
 
-    def counting(path, ticket, row0, aux_ND, last_NH):
+    def counting(path, ticket, nonce, row0, aux_ND, last_NH):
         writers.setdefault(ticket, []).append(rank["now"])
-        real(path, ticket, row0, aux_ND, last_NH)
+        real(path, ticket, nonce, row0, aux_ND, last_NH)
 
     monkeypatch.setattr(plugin, "write_features", counting)
     lengths = [5] * 16
     slot = _slot(lengths)
     try:
         rows = torch.randn(5, D + H)
-        rids = [plugin.make_rid(f"0-{b}-x", b, str(slot.path)) for b in range(len(lengths))]
+        rids = [plugin.make_rid(NONCE, b, str(slot.path)) for b in range(len(lengths))]
         for b, rid in enumerate(rids):  # two chunks: [0, 2) (middle) and [2, 5)
             for r in range(TP):
                 rank["now"] = r
@@ -85,9 +85,8 @@ def test_each_request_is_written_by_exactly_one_tp_rank(monkeypatch):
             assert writers[b] == [mine, mine], f"ticket {b}: writers {writers[b]}"
             t = slot.read_ticket(b)
             assert t.status == DONE and t.written == 5
-            views = slot.prepare(len(lengths), 5)
-            assert torch.equal(views.aux_hidden[b], rows[:, :D])
-            assert torch.equal(views.last_hidden[b], rows[:, D:])
+            aux_ND, last_NH = slot.views(lengths).rows(b)
+            assert torch.equal(aux_ND, rows[:, :D]) and torch.equal(last_NH, rows[:, D:])
         assert len({plugin.writer_rank(rid, TP) for rid in rids}) > 1  # shared, not rank 0
     finally:
         slot.close()
@@ -100,14 +99,14 @@ def test_a_server_that_cannot_read_its_ranks_fails_the_ticket(monkeypatch):
     _fake_context(monkeypatch, unpublished)
     slot = _slot([3])
     try:
-        _run_hook(plugin.make_rid("n", 0, str(slot.path)), torch.ones(3, D + H), 0, store=True)
+        _run_hook(plugin.make_rid(NONCE, 0, str(slot.path)), torch.ones(3, D + H), 0, store=True)
         t = slot.read_ticket(0)
         assert t.status == FAILED and t.written == 0
         assert "cannot read its attention-TP rank" in t.error
         assert "attn_tp_rank' has not been written" in t.error
         monkeypatch.delitem(sys.modules, "sglang.srt.runtime_context")
-        slot.write_ticket(0, Ticket(PENDING, 3, 0, *_offsets(slot)))
-        _run_hook(plugin.make_rid("n", 0, str(slot.path)), torch.ones(3, D + H), 0, store=True)
+        slot.write_ticket(0, Ticket(PENDING, 3, 0, *_offsets(slot), nonce=NONCE))
+        _run_hook(plugin.make_rid(NONCE, 0, str(slot.path)), torch.ones(3, D + H), 0, store=True)
         t = slot.read_ticket(0)
         assert t.status == FAILED and "runtime_context is not loaded" in t.error
     finally:
@@ -118,7 +117,7 @@ def test_outside_sglang_the_caller_writes(monkeypatch):
     monkeypatch.setattr(plugin, "_in_sglang", False)
     slot = _slot([3])
     try:
-        _run_hook(plugin.make_rid("n", 0, str(slot.path)), torch.ones(3, D + H), 0, store=True)
+        _run_hook(plugin.make_rid(NONCE, 0, str(slot.path)), torch.ones(3, D + H), 0, store=True)
         assert slot.read_ticket(0).status == DONE
     finally:
         slot.close()

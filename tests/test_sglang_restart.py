@@ -71,7 +71,10 @@ def test_keeper_restarts_a_killed_server_at_most_max_restarts_in_a_row(tmp_path,
         keeper.stop()
     err = capfd.readouterr().err
     assert f"[rank 0] sglang server http://h:1 (pid {pids[0]}) died (exit code -9)" in err
-    assert "restarting it (1 of at most 2) in 0.01s" in err
+    assert (
+        "restarting it (1 of target.max_restarts=2 in a row) in 0.01s, to answer within "
+        "target.sglang.startup_timeout_s=1800s" in err
+    )
     assert err.count("restarted in") == 4
 
 

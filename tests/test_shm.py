@@ -1,22 +1,27 @@
 """Shared-memory slots: a /dev/shm too small for the run fails at start-up, naming the
 size it needs and how to raise it; slots grow by doubling but never past the run's
 largest request. Producers map a slot once and keep it (SlotMaps), mapping it again when
-the trainer replaced the file. Without CUDA nothing is page-locked and
-TargetFeatures.to is a plain copy; with CUDA (skipped here) the copy is asynchronous and
-the slot waits for it before it is rewritten."""
+the trainer replaced the file. A late writer (stale nonce) writes nothing. Without CUDA
+nothing is page-locked and TargetFeatures.to is a plain copy; a failed cudaHostRegister
+(mocked) leaves no CUDA error behind; with CUDA (skipped here) the copy is asynchronous
+and the slot waits for it before it is rewritten. Budget and ragged layout:
+test_slot_budget.py."""
 
 from __future__ import annotations
 
+import time
 from collections import namedtuple
 
 import pytest
 import torch
 
 from specforge_dspark.config.recipe import recipe_from_dict
-from specforge_dspark.engines import features, shm
-from specforge_dspark.engines.features import TargetFeatures
-from specforge_dspark.engines.shm import DTYPE_CODES, ShmSlot, SlotLayout, SlotMaps, make_slots
-from specforge_dspark.engines.slot_writer import write_features
+from specforge_dspark.engines import features, shm, slot_budget
+from specforge_dspark.engines.features import PaddedBatch, TargetFeatures
+from specforge_dspark.engines.served import ServedEngine, issue_tickets
+from specforge_dspark.engines.shm import DTYPE_CODES, ShmSlot, SlotLayout
+from specforge_dspark.engines.slot_budget import make_slots
+from specforge_dspark.engines.slot_writer import SlotMaps, fail, write_features
 from specforge_dspark.engines.tickets import DONE, PENDING, Ticket
 
 Usage = namedtuple("Usage", "total used free")
@@ -29,9 +34,12 @@ def _recipe(max_length: int = 4096, micro: int = 1):
 
 
 def test_too_small_shm_fails_at_start_up_with_the_size_needed(monkeypatch):
-    monkeypatch.setattr(shm.shutil, "disk_usage", lambda p: Usage(2**30, 2**30 - 2**20, 2**20))
+    monkeypatch.setattr(
+        slot_budget.shutil, "disk_usage", lambda p: Usage(2**30, 2**30 - 2**20, 2**20)
+    )
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    per_slot = SlotLayout.plan(2 * 4096, 2, 5 * 6144, 6144, torch.bfloat16).nbytes
+    # 2 x 4096 tokens; 4 sequences: the preflight's batch of train.preflight_samples rows
+    per_slot = SlotLayout.plan(2 * 4096, 4, 5 * 6144, 6144, torch.bfloat16).nbytes
     need = 8 * 5 * per_slot / 2**30
     with pytest.raises(RuntimeError) as e:
         make_slots(0, 5, 5 * 6144, 6144, torch.bfloat16, _recipe(micro=2))
@@ -44,19 +52,20 @@ def test_slots_that_fit_are_made_and_growth_stops_at_the_largest_request():
     slots = make_slots(0, 2, 6, 4, torch.float32, _recipe(max_length=100))
     try:
         s = slots[0]
-        s.prepare(1, 60)
+        s.prepare([60])
         assert s.layout.capacity == 60
-        s.prepare(1, 70)  # doubling would give 120 > the 100 a request can need
+        s.prepare([70])  # doubling would give 120 > the 100 a request can need
         assert s.layout.capacity == 100
     finally:
         for s in slots:
             s.close()
 
 
-def _ticketed(slot: ShmSlot, S: int) -> None:
+def _ticketed(slot: ShmSlot, S: int, nonce: int = 7) -> None:
     lay = slot.layout
     code = DTYPE_CODES[slot.dtype]
-    slot.write_ticket(0, Ticket(PENDING, S, 0, lay.aux_off, lay.last_off, lay.aux_width, 4, code))
+    t = Ticket(PENDING, S, 0, lay.aux_off, lay.last_off, lay.aux_width, 4, code, nonce=nonce)
+    slot.write_ticket(0, t)
 
 
 def test_a_producer_maps_a_slot_once_and_again_when_the_file_is_replaced(monkeypatch):
@@ -64,50 +73,138 @@ def test_a_producer_maps_a_slot_once_and_again_when_the_file_is_replaced(monkeyp
     monkeypatch.setattr("specforge_dspark.engines.slot_writer.SLOTS", maps)
     slot = ShmSlot("mapstest", aux_width=6, hidden=4, dtype=torch.float32)
     try:
-        views = slot.prepare(1, 3)
+        views = slot.prepare([3])
         for i in range(5):
             _ticketed(slot, 3)
-            write_features(str(slot.path), 0, 0, torch.full((3, 6), i), torch.full((3, 4), -i))
+            write_features(str(slot.path), 0, 7, 0, torch.full((3, 6), i), torch.full((3, 4), -i))
             assert slot.read_ticket(0).status == DONE
-            assert views.aux_hidden[0].eq(i).all() and views.last_hidden[0].eq(-i).all()
+            assert views.aux.eq(i).all() and views.last.eq(-i).all()
         assert maps.mapped == 1
         path = slot.path  # the trainer restarts: a new, larger file at the same path
         slot.close()
-        slot.prepare(1, 8)
+        slot.prepare([8])
         slot.path.rename(path)
         slot.path = path
-        views = slot.prepare(1, 8)
+        views = slot.prepare([8])
         _ticketed(slot, 8)
-        write_features(str(path), 0, 0, torch.full((8, 6), 7.0), torch.full((8, 4), 8.0))
+        write_features(str(path), 0, 7, 0, torch.full((8, 6), 7.0), torch.full((8, 4), 8.0))
         assert maps.mapped == 2 and slot.read_ticket(0).status == DONE
-        assert views.aux_hidden[0].eq(7).all() and views.last_hidden[0].eq(8).all()
+        assert views.aux.eq(7).all() and views.last.eq(8).all()
         slot.close()  # gone: dropped, and a write to it fails without raising
-        write_features(str(path), 0, 0, torch.zeros(8, 6), torch.zeros(8, 4))
+        write_features(str(path), 0, 7, 0, torch.zeros(8, 6), torch.zeros(8, 4))
         assert maps.mapped == 2 and not maps._maps
     finally:
         slot.close()
         maps.close()
 
 
+def test_a_late_writer_after_a_timeout_and_slot_reuse_writes_nothing(monkeypatch):
+    monkeypatch.setattr("specforge_dspark.engines.slot_writer.SLOTS", SlotMaps())
+    slot = ShmSlot("noncetest", aux_width=6, hidden=4, dtype=torch.float32)
+    ids = torch.ones(1, 3, dtype=torch.long)
+    batch = PaddedBatch([1], ids, ids, torch.tensor([3]))
+    try:
+        issue_tickets(slot, batch)
+        stale = slot.read_ticket(0).nonce
+        views = issue_tickets(slot, batch)  # timed out: the slot goes to the next request
+        issued = slot.read_ticket(0)
+        assert issued.nonce != stale and issued.status == PENDING
+        path = str(slot.path)
+        write_features(path, 0, stale, 0, torch.full((3, 6), 9.0), torch.full((3, 4), 9.0))
+        fail(path, 0, stale, "the late request failed")
+        assert slot.read_ticket(0) == issued and views.aux.eq(0).all() and views.last.eq(0).all()
+        write_features(path, 0, issued.nonce, 0, torch.full((3, 6), 2.0), torch.full((3, 4), 2.0))
+        done = slot.read_ticket(0)
+        assert done.status == DONE and done.written == 3
+        write_features(path, 0, stale, 0, torch.full((3, 6), 9.0), torch.full((3, 4), 9.0))
+        fail(path, 0, stale, "the late request failed")
+        assert slot.read_ticket(0) == done and views.aux.eq(2).all() and views.last.eq(2).all()
+    finally:
+        slot.close()
+
+
+def test_the_trainer_never_takes_a_late_writers_answer_for_the_reissued_ticket():
+    """A late writer's ticket record that lands in the window between its nonce check and
+    its write (DONE, with the old nonce) is not this request's answer: the wait times out."""
+    slot = ShmSlot("noncewait", aux_width=6, hidden=4, dtype=torch.float32)
+    ids = torch.ones(1, 3, dtype=torch.long)
+    batch = PaddedBatch([1], ids, ids, torch.tensor([3]))
+    engine = object.__new__(ServedEngine)  # only what _wait_ticket reads
+    engine.keeper, engine.url, engine.timeout_s = None, "http://stand-in", 0.05
+    try:
+        issue_tickets(slot, batch)
+        late = slot.read_ticket(0)
+        issue_tickets(slot, batch)
+        late.status, late.written = DONE, 3
+        off = slot.ticket_offset(0)
+        slot.buf[off : off + len(late.pack())] = late.pack()  # not through write_ticket
+        with pytest.raises(RuntimeError, match="wrote no features"):
+            engine._wait_ticket(slot, 0, 3, time.monotonic() + 0.05, "batch 0")
+    finally:
+        slot.close()
+
+
+class _Runtime:
+    """The CUDA runtime calls pin() makes, with the runtime's per-thread last error."""
+
+    def __init__(self, register_error: int):
+        self.register_error, self.last_error, self.registered = register_error, 0, []
+
+    def cudaHostRegister(self, addr, nbytes, flags):  # the runtime's names
+        self.last_error = self.register_error
+        if not self.register_error:
+            self.registered.append(addr)
+        return self.register_error
+
+    def cudaHostUnregister(self, addr):
+        self.registered.remove(addr)
+        return 0
+
+    def cudaGetLastError(self):
+        error, self.last_error = self.last_error, 0
+        return error
+
+
+@pytest.mark.parametrize("error", [0, 712])  # 712: cudaErrorHostMemoryAlreadyRegistered
+def test_a_failed_cuda_host_register_leaves_no_cuda_error_behind(monkeypatch, caplog, error):
+    runtime = _Runtime(error)
+    monkeypatch.setattr(shm.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(shm.torch.cuda, "cudart", lambda: runtime)
+    monkeypatch.setattr(shm, "_cuda_runtime", lambda: runtime)
+    slot = ShmSlot("registertest", aux_width=6, hidden=4, dtype=torch.float32)
+    try:
+        slot.prepare([3])
+        assert bool(slot.pinned) == (error == 0) and len(runtime.registered) == (error == 0)
+        assert runtime.cudaGetLastError() == 0  # what the next kernel launch check reads
+        if error:
+            assert "failed (error 712; last error cleared)" in caplog.text
+    finally:
+        slot.close()
+    assert not runtime.registered and not shm._PINNED
+
+
+def test_without_a_cuda_runtime_loaded_there_is_no_error_to_clear():
+    assert shm.clear_cuda_error() == -1
+
+
 def test_without_cuda_nothing_is_pinned_and_to_is_a_plain_copy(monkeypatch):
     monkeypatch.setattr(shm.torch.cuda, "is_available", lambda: False)
     slot = ShmSlot("pintest", aux_width=6, hidden=4, dtype=torch.bfloat16)
     try:
-        v = slot.prepare(2, 3)
+        v = slot.prepare([3, 3])
         assert slot.pinned == 0 and not shm._PINNED
-        v.aux_hidden.copy_(torch.randn(2, 3, 6))
-        v.last_hidden.copy_(torch.randn(2, 3, 4))
+        v.aux.copy_(torch.randn(6, 6))
+        v.last.copy_(torch.randn(6, 4))
         ids = torch.arange(6).view(2, 3)
-        feats = TargetFeatures(
-            [4, 5], ids, ids.ne(0), torch.tensor([3, 2]), v.aux_hidden, v.last_hidden
-        )
+        aux, last = v.padded(3)  # equal lengths: views of the slot
+        feats = TargetFeatures([4, 5], ids, ids.ne(0), torch.tensor([3, 3]), aux, last)
         monkeypatch.setattr(features, "_to_gpu", lambda *a: pytest.fail("no async copy on CPU"))
         moved = feats.to("cpu", non_blocking=True)
         assert moved.copy_done is None and moved.sample_ids == [4, 5]
         for name in ("input_ids", "loss_mask", "lengths", "aux_hidden", "last_hidden"):
             a, b = getattr(moved, name), getattr(feats, name)
             assert a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
-        assert moved.aux_hidden.data_ptr() == v.aux_hidden.data_ptr()  # Tensor.to: same storage
+        assert moved.aux_hidden.data_ptr() == v.aux.data_ptr()  # Tensor.to: same storage
     finally:
         slot.close()
 
@@ -116,16 +213,17 @@ def test_without_cuda_nothing_is_pinned_and_to_is_a_plain_copy(monkeypatch):
 def test_with_cuda_slots_are_pinned_and_the_copy_is_asynchronous():
     slot = ShmSlot("cudatest", aux_width=6, hidden=4, dtype=torch.bfloat16)
     try:
-        v = slot.prepare(1, 5)
-        assert slot.pinned and v.aux_hidden.is_pinned()
-        v.aux_hidden.copy_(torch.randn(1, 5, 6))
-        v.last_hidden.copy_(torch.randn(1, 5, 4))
+        v = slot.prepare([5])
+        assert slot.pinned and v.aux.is_pinned()
+        v.aux.copy_(torch.randn(5, 6))
+        v.last.copy_(torch.randn(5, 4))
         ids = torch.ones(1, 5, dtype=torch.long)
-        feats = TargetFeatures([0], ids, ids, torch.tensor([5]), v.aux_hidden, v.last_hidden)
+        aux, last = v.padded(5)
+        feats = TargetFeatures([0], ids, ids, torch.tensor([5]), aux, last)
         moved = feats.to("cuda")
         assert moved.copy_done is not None and shm._PINNED[slot.pinned][1]
-        assert torch.equal(moved.aux_hidden.cpu(), v.aux_hidden)
-        slot.prepare(1, 5)  # waits for the copy before the slot may be rewritten
+        assert torch.equal(moved.aux_hidden.cpu(), aux)
+        slot.prepare([5])  # waits for the copy before the slot may be rewritten
         assert moved.copy_done.query() and not shm._PINNED[slot.pinned][1]
     finally:
         slot.close()

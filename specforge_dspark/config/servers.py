@@ -22,7 +22,9 @@ class SGLangServer:
     one; in SGLang's image it is the image's `python3`. The trainer keeps its own."""
     startup_timeout_s: float = 1800.0
     """Longest wait for the server to answer: at start-up, after a restart, and for an
-    attached server (url) to come back after a failure before the run stops."""
+    attached server (url) to come back after a failure before the run stops. A server
+    the run starts: target.max_restarts x this (+ backoff) must fit in dist.timeout_s,
+    the longest the other ranks wait in a collective meanwhile (config/validate.py)."""
     server_args: dict[str, Any] = field(default_factory=dict)
     """Extra `sglang.launch_server` arguments by ServerArgs field name (tp_size, ...)."""
 
@@ -49,9 +51,12 @@ class VLLMServer:
 class RegenerateRecipe:
     """On-policy regeneration: the target answers the training prompts itself."""
 
-    backend: Literal["hf", "openai"] = "hf"
+    backend: Literal["hf", "openai", "sglang"] = "hf"
+    """hf: the target generates in the regenerating process; openai: an OpenAI-compatible
+    chat server at `url`; sglang: an SGLang server's /generate at `url`, on token ids
+    rendered here with target.path's tokenizer (data_pipelines/backends.py)."""
     url: str = ""
-    """Base URL of an OpenAI-compatible server (SGLang), backend openai."""
+    """Base URL of the server, backends openai and sglang."""
     model: str = "default"
     concurrency: int = 8
     batch_size: int = 8
@@ -61,8 +66,8 @@ class RegenerateRecipe:
     samples: int = 1
     """Answers per prompt. The first is decoded as configured; each further one opens
     with `opening_tokens` tokens sampled at `opening_temperature`, then continues as
-    configured (hf backend): more of the target's own greedy trajectories, its loops
-    included, which sampling at T > 0 rarely shows (docs/data.md)."""
+    configured (hf and sglang backends): more of the target's own greedy trajectories,
+    its loops included, which sampling at T > 0 rarely shows (docs/data.md)."""
     opening_tokens: int = 0
     opening_temperature: float = 1.0
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -77,8 +77,10 @@ class TargetFeatures:
     `last_hidden_BSH` is the final hidden state after the final norm, exactly what the
     LM head consumes (before any muP logits division, which the trainer's frozen head
     applies).
-    Tensors from a live stream are views into a shared-memory slot that is reused
-    once the iterator advances: `.clone()` what you keep longer than one step.
+    Tensors from a live stream may be views into a shared-memory slot that is reused
+    once the iterator advances (a batch of equal lengths; otherwise they are a padded
+    copy of the slot's ragged rows, shm.SlotViews.padded): `.clone()` what you keep
+    longer than one step.
     """
 
     sample_ids: list[int]

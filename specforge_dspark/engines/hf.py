@@ -2,12 +2,14 @@
 
 `HFTarget` is the model (usable in-process, e.g. by tests and `capture`); `HFEngine`
 is the trainer side: it spawns `worker_main` in its own process (named
-`hf-target-rank<r>` in ps/top), sends it `(seq, slot, [B, S])` messages over a pipe, and
-the worker writes the features straight into the slot's shared memory (see shm.py). Only
-a few ints cross the pipe. A dead worker raises `TargetLost`, a silent one TimeoutError;
-`restart()` replaces it (the stream re-sends what was in flight, see stream.py).
+`hf-target-rank<r>` in ps/top), sends it `(seq, slot, lengths)` messages over a pipe, and
+the worker writes the features straight into the slot's shared memory, ragged like every
+engine's (shm.py). Only a few ints cross the pipe. A dead worker raises `TargetLost`, a
+silent one TimeoutError; `restart()` replaces it (the stream re-sends what was in flight,
+see stream.py).
 
-Legend: B batch, S padded length, H hidden size, m aux layers, D = m*H.
+Legend: B batch, S padded length, T = sum of the B lengths, H hidden size, m aux layers,
+D = m*H.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from specforge_dspark.engines.features import (
     TargetFeatures,
     TargetLost,
 )
-from specforge_dspark.engines.shm import SlotMaps, make_slots, sweep_stale_slots
+from specforge_dspark.engines.shm import pad_rows, starts
+from specforge_dspark.engines.slot_budget import job_id, make_slots, sweep_stale_slots
+from specforge_dspark.engines.slot_writer import SlotMaps
 
 POLL_S = 0.1
 """How often a waiting trainer checks that its worker is still alive."""
@@ -67,16 +71,18 @@ class HFTarget:
         self,
         input_ids_BS: torch.Tensor,
         lengths_B: torch.Tensor,
-        aux_BSD: torch.Tensor,
-        last_BSH: torch.Tensor,
+        aux_TD: torch.Tensor,
+        last_TH: torch.Tensor,
     ) -> None:
         """Run the target on `input_ids_BS`, `chunk` sequences per forward, writing the
-        features into the given (shared-memory) tensors; padded positions get zeros.
+        features into the given (shared-memory) tensors, ragged: sequence b's rows at
+        `shm.starts(lengths_B)[b]`.
 
         Each chunk is cut to its own longest sequence, so with chunk 1 every sequence
         runs unpadded and its features do not depend on how the caller batched it
         (padding changes the kernels' shapes, hence the last bits)."""
-        B, S = input_ids_BS.shape
+        B = input_ids_BS.shape[0]
+        offsets = starts(lengths_B.tolist())
         for lo in range(0, B, self.chunk):
             hi = min(B, lo + self.chunk)
             lens = lengths_B[lo:hi]
@@ -88,20 +94,21 @@ class HFTarget:
             with self.tap:
                 out = self.decoder(input_ids=ids, attention_mask=mask, use_cache=False)
             H = out.last_hidden_state.shape[-1]
-            for i, tap_BSH in enumerate(self.tap.taps()):
-                aux_BSD[lo:hi, :Sc, i * H : (i + 1) * H].copy_(tap_BSH)
-            last_BSH[lo:hi, :Sc].copy_(out.last_hidden_state)
+            taps = self.tap.taps()
             for b, n in enumerate(lens.tolist()):
-                aux_BSD[lo + b, n:] = 0
-                last_BSH[lo + b, n:] = 0
+                o = offsets[lo + b]
+                for i, tap_BSH in enumerate(taps):
+                    aux_TD[o : o + n, i * H : (i + 1) * H].copy_(tap_BSH[b, :n])
+                last_TH[o : o + n].copy_(out.last_hidden_state[b, :n])
 
     def forward(self, batch: PaddedBatch, hidden: int) -> TargetFeatures:
         """In-process convenience: features for `batch` in freshly allocated tensors."""
-        B, S = batch.shape
+        lengths, S = batch.lengths.tolist(), batch.shape[1]
         dtype = next(self.model.parameters()).dtype
-        aux = torch.empty(B, S, hidden * len(self.layer_ids), dtype=dtype)
-        last = torch.empty(B, S, hidden, dtype=dtype)
+        aux = torch.empty(sum(lengths), hidden * len(self.layer_ids), dtype=dtype)
+        last = torch.empty(sum(lengths), hidden, dtype=dtype)
         self.forward_into(batch.input_ids, batch.lengths, aux, last)
+        aux, last = pad_rows(aux, lengths, S), pad_rows(last, lengths, S)
         return TargetFeatures(
             batch.sample_ids, batch.input_ids, batch.loss_mask, batch.lengths, aux, last
         )
@@ -130,7 +137,7 @@ def worker_main(conn, spec: dict[str, Any]) -> None:
         return
     conn.send(("ready", -1, ""))
     slots = SlotMaps()
-    replayed: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    replayed: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
     while True:
         if not conn.poll(1.0):
             if os.getppid() != parent:  # the trainer died without telling us
@@ -142,17 +149,18 @@ def worker_main(conn, spec: dict[str, Any]) -> None:
             return
         if msg[0] == "stop":
             return
-        _, seq, _, path, B, S, lengths = msg
+        _, seq, _, path, S, lengths = msg
         try:
             t0 = time.perf_counter()
-            v = slots.views(path, B, S)
-            if (B, S) in replayed:  # transport-only benchmark: write, don't compute
-                v.aux_hidden.copy_(replayed[B, S][0])
-                v.last_hidden.copy_(replayed[B, S][1])
+            v, key = slots.views(path, lengths), tuple(lengths)
+            if key in replayed:  # transport-only benchmark: write, don't compute
+                v.aux.copy_(replayed[key][0])
+                v.last.copy_(replayed[key][1])
             else:
-                target.forward_into(v.input_ids, torch.tensor(lengths), v.aux_hidden, v.last_hidden)
+                ids_BS = pad_rows(v.input_ids, lengths, S).clone()  # no view outlives v
+                target.forward_into(ids_BS, torch.tensor(lengths), v.aux, v.last)
                 if spec.get("replay"):
-                    replayed[B, S] = (v.aux_hidden.clone(), v.last_hidden.clone())
+                    replayed[key] = (v.aux.clone(), v.last.clone())
             del v
             conn.send(("done", seq, f"{time.perf_counter() - t0:.6f}"))
         except Exception:
@@ -190,7 +198,7 @@ class HFEngine:
         }
         self.rank, self.timeout_s, self._spec = rank, t.timeout_s, spec
         dtype = DTYPES[t.dtype]
-        sweep_stale_slots()
+        sweep_stale_slots(job_id(recipe))
         self.slots = make_slots(rank, num_slots, dims.aux_width, dims.hidden_size, dtype, recipe)
         self.forward_seconds = 0.0
         self._start()
@@ -226,11 +234,10 @@ class HFEngine:
 
     def submit(self, seq: int, batch: PaddedBatch) -> None:
         index = seq % len(self.slots)
-        slot = self.slots[index]
-        B, S = batch.shape
-        slot.prepare(B, S).input_ids.copy_(batch.input_ids)
+        slot, lengths = self.slots[index], batch.lengths.tolist()
+        slot.prepare(lengths).put_ids(batch.input_ids)  # over the slot budget: ValueError
         try:
-            self.conn.send(("run", seq, index, str(slot.path), B, S, batch.lengths.tolist()))
+            self.conn.send(("run", seq, index, str(slot.path), batch.shape[1], lengths))
         except OSError:  # a dead worker (broken pipe): `result` raises TargetLost for it
             pass
 
@@ -244,14 +251,10 @@ class HFEngine:
         if kind == "error":
             raise RuntimeError(f"{self.name} failed on {what}:\n{text}")
         self.forward_seconds += float(text)
-        v = self.slots[seq % len(self.slots)].prepare(*batch.shape)
+        views = self.slots[seq % len(self.slots)].views(batch.lengths.tolist())
+        aux, last = views.padded(batch.shape[1])
         return TargetFeatures(
-            batch.sample_ids,
-            batch.input_ids,
-            batch.loss_mask,
-            batch.lengths,
-            v.aux_hidden,
-            v.last_hidden,
+            batch.sample_ids, batch.input_ids, batch.loss_mask, batch.lengths, aux, last
         )
 
     def _receive(self, deadline: float, what: str) -> tuple[str, int, str]:

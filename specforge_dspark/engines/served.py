@@ -45,17 +45,13 @@ from specforge_dspark.engines.server import (
     group_running,
     http_ok,
     kill_group,
+    pid_file_current,
     read_pid,
     say,
 )
-from specforge_dspark.engines.shm import (
-    DTYPE_CODES,
-    ShmSlot,
-    SlotViews,
-    make_slots,
-    sweep_stale_slots,
-)
-from specforge_dspark.engines.tickets import DONE, FAILED, PENDING, Ticket
+from specforge_dspark.engines.shm import DTYPE_CODES, ShmSlot, SlotViews
+from specforge_dspark.engines.slot_budget import job_id, make_slots, sweep_stale_slots
+from specforge_dspark.engines.tickets import DONE, FAILED, PENDING, Ticket, new_nonce
 
 POLL_S = 0.2  # how often a wait looks at the server and the tickets
 HEALTH_POLL_S = 0.5
@@ -78,7 +74,7 @@ class ServedEngine:
         self.dims: TargetDims = read_target_dims(t.path, recipe.draft.target_layer_ids)
         self.url = (section.url or f"http://{section.host}:{section.port}").rstrip("/")
         self.dtype = DTYPES[t.dtype]
-        sweep_stale_slots()
+        sweep_stale_slots(job_id(recipe))
         self.slots = make_slots(
             rank, num_slots, self.dims.aux_width, self.dims.hidden_size, self.dtype, recipe
         )
@@ -112,11 +108,13 @@ class ServedEngine:
         raise NotImplementedError
 
     def post(self, seq: int, slot: ShmSlot, batch: PaddedBatch) -> Future:
-        """Send batch `seq`, whose tickets are in `slot`; the future holds the reply."""
+        """Send batch `seq`, whose tickets are in `slot`; the future holds the reply.
+        Each sequence's request carries its ticket's nonce (`slot.read_ticket(b).nonce`)."""
         raise NotImplementedError
 
     def finish(self, views: SlotViews, b: int, rows: int) -> None:
-        """Whatever sequence b's `rows` written rows still need before training."""
+        """Whatever sequence b's `rows` written rows (`views.rows(b)`) still need before
+        training."""
 
     # ------------------------------------------------------------------ the server
 
@@ -152,7 +150,7 @@ class ServedEngine:
             return
         limit = self.startup_timeout_s
         deadline = time.monotonic() + limit
-        while not self.healthy():
+        while not (pid_file_current(self.pid_file) and self.healthy()):
             if self.keeper is not None and self.keeper.gave_up:
                 raise RuntimeError(self.keeper.gave_up)
             if self._server_pid is None:  # first start: a server that exits fails the run
@@ -227,20 +225,14 @@ class ServedEngine:
             self.keeper.answered()
         check_reply(reply, self.name, what)
         slot = self.slots[seq % len(self.slots)]
-        views = slot.prepare(*batch.shape)
-        for b in range(batch.shape[0]):  # the reply is no proof of the write: under TP
-            n = int(batch.lengths[b])  # any rank may write, attention-TP rank 0 replies
+        views = slot.views(batch.lengths.tolist())
+        # the reply is no proof of the write: under TP any rank may write, rank 0 replies
+        for b, n in enumerate(views.lengths):
             self._wait_ticket(slot, b, n, deadline, f"{what}, sequence {b}")
             self.finish(views, b, n)
-            views.aux_hidden[b, n:] = 0
-            views.last_hidden[b, n:] = 0
+        aux, last = views.padded(batch.shape[1])
         return TargetFeatures(
-            batch.sample_ids,
-            batch.input_ids,
-            batch.loss_mask,
-            batch.lengths,
-            views.aux_hidden,
-            views.last_hidden,
+            batch.sample_ids, batch.input_ids, batch.loss_mask, batch.lengths, aux, last
         )
 
     def _wait_reply(self, fut: Future, deadline: float, what: str) -> Any:
@@ -267,6 +259,8 @@ class ServedEngine:
         `deadline` has passed); RuntimeError naming the cause when they are not."""
         while True:
             t = slot.read_ticket(b)
+            if t is not None and t.nonce != slot.issued.get(b):
+                t = None  # a late writer's answer to an earlier request: not this one's
             if t is not None and t.status == DONE and t.written == rows:
                 return
             if t is not None and t.status == FAILED:
@@ -287,22 +281,16 @@ class ServedEngine:
 
 
 def issue_tickets(slot: ShmSlot, batch: PaddedBatch) -> SlotViews:
-    """Fit `slot` to `batch` and issue a pending ticket per sequence: its rows, and where
-    they go (sequence b's rows start at row b * S of the slot's aux and last arrays)."""
-    B, S = batch.shape
-    views = slot.prepare(B, S)
-    lay, item = slot.layout, views.aux_hidden.element_size()
-    for b in range(B):
-        ticket = Ticket(
-            status=PENDING,
-            rows=int(batch.lengths[b]),
-            written=0,
-            aux_off=lay.aux_off + b * S * lay.aux_width * item,
-            last_off=lay.last_off + b * S * lay.hidden * item,
-            aux_width=lay.aux_width,
-            hidden=lay.hidden,
-            dtype_code=DTYPE_CODES[lay.dtype],
-        )
+    """Fit `slot` to `batch` (ValueError, nothing written, when it is over the run's slot
+    budget) and issue a pending ticket per sequence with a fresh nonce: its rows, and
+    where they go (ragged: sequence b's rows follow those of sequences 0..b-1, shm.py)."""
+    views = slot.prepare(batch.lengths.tolist())
+    lay = slot.layout
+    code = DTYPE_CODES[lay.dtype]
+    for b, n in enumerate(views.lengths):
+        aux_off, last_off = views.offsets(b)
+        ticket = Ticket(PENDING, n, 0, aux_off, last_off, lay.aux_width, lay.hidden, code)
+        ticket.nonce = new_nonce()
         slot.write_ticket(b, ticket)
     return views
 

@@ -4,25 +4,34 @@
 (checked first: `engine_python`), in a process group of its own, logging to a file; `stop`
 ends the whole group (API server, scheduler, workers). `launch_env` is the environment it
 starts with: torchrun's variables dropped, since the server is one process group of its
-own, not a peer of the trainer.
+own, not a peer of the trainer. Beside each server runs its reaper (reaper.py), which
+ends the server's group when the trainer process is gone however it ended (SIGKILL, the
+OOM killer: no `stop` ran).
 
 `ServerKeeper` starts the server (a factory that returns an `EngineServer`), records its
 pid in `<output_dir>/<engine>_server_rank<r>.pid` so the node's other ranks can kill a
-hung one, and, once told to `watch()`, restarts it from a thread: a server that exits is
-started again on the same port, at most `target.max_restarts` times in a row (a request
-answered in between resets the count, `answered()`), after
-`target.restart_backoff_s * 2**(k-1)` seconds. The thread, not the training loop,
-restarts it: a rank blocked in a collective (waiting for a peer that waits for features)
-still brings the server back. The old process group is gone before the new server
-starts, so no old process writes a slot after its tickets were re-issued.
+hung one. Before its first start, a server of an earlier job that this pid file names and
+that still serves the port (a reaper killed too) is stopped, naming it; anything else on
+the port is refused: a server started for another recipe is never reused. Once told to
+`watch()`, it restarts the server from a thread: a server that exits is started again on
+the same port, at most `target.max_restarts` times in a row (a request answered in
+between resets the count, `answered()`), after `target.restart_backoff_s * 2**(k-1)`
+seconds, each to answer within `startup_timeout_s` (config/validate.py keeps the sum
+within dist.timeout_s, the longest a peer waits in a collective meanwhile). The thread,
+not the training loop, restarts it: a rank blocked in a collective (waiting for a peer
+that waits for features) still brings the server back. The old process group is gone
+before the new server starts, so no old process writes a slot after its tickets were
+re-issued.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -32,8 +41,13 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+
+from specforge_dspark.engines.reaper import group_running, kill_group
 
 POLL_S = 0.5
+CLOCK_SLACK_S = 2.0
+REAPER = str(Path(__file__).resolve().with_name("reaper.py"))
 LAUNCHER_VARS = {
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
     "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
@@ -111,40 +125,62 @@ def http_ok(url: str) -> bool:
         return False
 
 
-def kill_group(pgid: int, wait_s: float = 10.0) -> None:
-    """SIGKILL process group `pgid` (a stopped one too) and wait until none of its
-    processes runs (zombies left to their parent do not count)."""
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            return
-        if not group_running(pgid):
-            return
-        time.sleep(0.05)
-
-
-def group_running(pgid: int) -> bool:
-    """Whether a process of group `pgid` is still more than a zombie (Linux /proc)."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return True
-    for stat in proc.glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
-
-
 def read_pid(pid_file: Path) -> int | None:
     try:
         return int(pid_file.read_text())
     except (OSError, ValueError):
         return None
+
+
+def started_at(pid: int) -> float | None:
+    """When process `pid` started, in seconds since the epoch (Linux /proc; None: gone)."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        btime = next(
+            int(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime ")
+        )
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
+    return btime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def cmdline(pid: int) -> str:
+    """Process `pid`'s command line, space-joined ("" when it is gone or a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+def port_taken(host: str, port: int) -> bool:
+    """Whether something else holds host:port (binding it says EADDRINUSE; any other
+    failure, an unknown host say, is the server's own to report)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is free
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
+def written_since(path: Path, t: float) -> bool:
+    """Whether `path` exists and was last written at or after `t` (epoch seconds, less
+    CLOCK_SLACK_S: /proc start times are whole-second boot time plus clock ticks)."""
+    try:
+        return path.stat().st_mtime >= t - CLOCK_SLACK_S
+    except OSError:
+        return False
+
+
+def pid_file_current(pid_file: Path | None) -> bool:
+    """Whether `pid_file` was written since this process started (None: an attached
+    server, nothing to check). A rank that did not start its node's server trusts the port
+    only then: a leftover server of an earlier job, whose file is older, is never used
+    before the starting rank has replaced it."""
+    return pid_file is None or written_since(pid_file, started_at(os.getpid()) or 0.0)
 
 
 def say(line: str) -> None:
@@ -174,6 +210,13 @@ class EngineServer:
                 start_new_session=True,
                 env=env,
             )
+            self.reaper = subprocess.Popen(  # ends the server if this process dies
+                [sys.executable, "-I", REAPER, str(self.proc.pid), str(os.getpid())],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def exit_code(self) -> int | None:
         return self.proc.poll()
@@ -195,6 +238,11 @@ class EngineServer:
             except subprocess.TimeoutExpired:
                 pass
         kill_group(self.proc.pid)  # what the launcher left: scheduler, workers
+        try:
+            self.reaper.wait(POLL_S * 4)  # it exits once the group is gone
+        except subprocess.TimeoutExpired:
+            self.reaper.kill()
+            self.reaper.wait()
 
 
 class ServerKeeper:
@@ -222,11 +270,35 @@ class ServerKeeper:
         self._closing = threading.Event()
         self._lock = threading.Lock()  # watcher vs stop(): one server at a time
         self._thread: threading.Thread | None = None
+        self._clear_leftover()
         self.server = self._launch()
 
     @property
     def name(self) -> str:
         return f"{self.engine} server {self.url} (pid {self.server.proc.pid})"
+
+    def _clear_leftover(self) -> None:
+        """Before the first start: a server of an earlier job that `pid_file` names (alive,
+        started before the file was written, serving our port) is stopped, naming it;
+        anything else on the port is refused, naming the port. Never attached to."""
+        where = urlsplit(self.url)
+        host, port = where.hostname or "127.0.0.1", where.port or 80
+        pid = read_pid(self.pid_file)
+        if pid is not None and group_running(pid):
+            cmd, born = cmdline(pid), started_at(pid)
+            if f"--port {port}" in cmd and born is not None and written_since(self.pid_file, born):
+                say(
+                    f"[rank {self.rank}] stopping a leftover {self.engine} server of an earlier "
+                    f"job on port {port}: process group {pid} (from {self.pid_file}): {cmd[:300]}"
+                )
+                kill_group(pid)
+        if port_taken(host, port):
+            key = f"target.{self.engine}"
+            raise ValueError(
+                f"{key}.port={port}: {host}:{port} is taken by a process that is not a server "
+                f"of this run ({self.pid_file} names none there); the run does not reuse it: "
+                f"stop it, choose another {key}.port, or attach to it on purpose with {key}.url"
+            )
 
     def _launch(self):
         server = self._start()
@@ -263,7 +335,9 @@ class ServerKeeper:
             backoff = self.backoff_s * 2 ** (self.in_a_row - 1)
             say(
                 f"[rank {self.rank}] {self.name} died (exit code {code}); restarting it "
-                f"({self.in_a_row} of at most {self.max_restarts}) in {backoff:g}s"
+                f"({self.in_a_row} of target.max_restarts={self.max_restarts} in a row) in "
+                f"{backoff:g}s, to answer within target.{self.engine}.startup_timeout_s="
+                f"{self.startup_timeout_s:g}s"
             )
             if self._closing.wait(backoff):
                 return

@@ -20,8 +20,8 @@ an attached one (`target.sglang.url`) is waited for, not restarted.
 from __future__ import annotations
 
 import json
+import os
 import threading
-import uuid
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -110,7 +110,10 @@ def is_cpu_engine(recipe) -> bool:
 
 
 def server_env(
-    cpu_engine: bool, base: dict[str, str] | None = None, interpret_triton: bool = False
+    cpu_engine: bool,
+    base: dict[str, str] | None = None,
+    interpret_triton: bool = False,
+    ranks: int = 1,
 ) -> dict[str, str]:
     """The environment of a server we start (server.launch_env): our plugin allowed, and
     for the CPU engine `SGLANG_USE_CPU_ENGINE=1` with the import shims first on PYTHONPATH
@@ -125,7 +128,41 @@ def server_env(
         prepend_path(env, CPU_SHIMS)
         if interpret_triton:  # Triton kernels (Inkling's) run in Triton's interpreter
             env["TRITON_INTERPRET"] = "1"
+        if ranks > 1 and THREADS_BIND not in env:  # SGLang's own per-rank core setting
+            env[THREADS_BIND] = cpu_thread_binding(ranks)
     return env
+
+
+THREADS_BIND = "SGLANG_CPU_OMP_THREADS_BIND"
+"""The cores of each CPU-engine rank, `a-b|c-d` (utils/numa_utils.py: without it SGLang
+refuses more ranks than NUMA nodes)."""
+
+
+def cpu_thread_binding(ranks: int, cores: list[int] | None = None) -> str:
+    """This process's cores split into `ranks` contiguous groups, one per server rank
+    (tp x dp x pp of the CPU engine); ValueError when there are fewer cores than ranks."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else sorted(cores)
+    if len(cores) < ranks:
+        raise ValueError(
+            f"target.sglang.server_args: {ranks} CPU-engine ranks (tp_size x dp_size x "
+            f"pp_size) need as many cores, this host gives {len(cores)}; set {THREADS_BIND}"
+        )
+    size, extra = divmod(len(cores), ranks)
+    groups, start = [], 0
+    for r in range(ranks):
+        group = cores[start : start + size + (r < extra)]
+        start += len(group)
+        groups.append(f"{group[0]}-{group[-1]}" if len(group) > 1 else str(group[0]))
+    return "|".join(groups)
+
+
+def server_ranks(args: list[str]) -> int:
+    """tp x dp x pp of `sglang.launch_server` arguments (each 1 unless given)."""
+    ranks = 1
+    for flag in ("--tp-size", "--tp", "--dp-size", "--dp", "--pp-size"):
+        if flag in args:
+            ranks *= int(args[args.index(flag) + 1])
+    return ranks
 
 
 def request_body(rids: list[str], input_ids: list[list[int]]) -> dict[str, Any]:
@@ -154,7 +191,9 @@ class ServerProcess(EngineServer):
         there and our plugin is registered there); `key` names where it came from."""
         exe = engine_python(python, key, "sglang", "sglang.srt.plugins")
         triton = "--attention-backend triton" in " ".join(args)
-        env = server_env(cpu_engine, interpret_triton=cpu_engine and triton)
+        env = server_env(
+            cpu_engine, interpret_triton=cpu_engine and triton, ranks=server_ranks(args)
+        )
         super().__init__(exe, "sglang.launch_server", args, log_path, env)
 
 
@@ -182,7 +221,7 @@ class SGLangEngine(ServedEngine):
         rids, ids = [], []
         for b in range(batch.shape[0]):
             n = int(batch.lengths[b])
-            rids.append(make_rid(f"{seq}-{b}-{uuid.uuid4().hex[:8]}", b, str(slot.path)))
+            rids.append(make_rid(slot.read_ticket(b).nonce, b, str(slot.path)))
             ids.append(batch.input_ids[b, :n].tolist())
         fut: Future = Future()
         body = json.dumps(request_body(rids, ids)).encode()

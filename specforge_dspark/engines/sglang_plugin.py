@@ -9,7 +9,8 @@ for 4096 x 30720 floats). For a request whose rid starts with `RID_PREFIX` the w
 instead copies the aux rows (`logits_output.hidden_states`, the concatenated capture
 of `--return-aux-hidden-state-layer-ids`) and the post-norm, pre-muP last hidden rows
 (`logits_output.last_hidden_states`) into the trainer's shared-memory slot named in the
-rid, then marks the request's ticket done (slot_writer.py, tickets.py). Other requests
+rid, then marks the request's ticket done, unless the rid's nonce is no longer the
+ticket's (a request the trainer gave up on: slot_writer.py, tickets.py). Other requests
 are untouched. In a CPU-engine server (SGLANG_USE_CPU_ENGINE=1), and only there,
 `register()` also installs the CPU bridges of engines/cpu/.
 
@@ -108,16 +109,18 @@ def max_prefix_len(original, self, input_len: int) -> int:
     return 0 if parse_rid(self.rid) is not None else original(self, input_len)
 
 
-def make_rid(nonce: str, ticket: int, path: str) -> str:
+def make_rid(nonce: int, ticket: int, path: str) -> str:
+    """The rid of a feature request: its ticket's nonce (unique per request, and the
+    writer's proof that the ticket is still this request's), index and slot."""
     return f"{RID_PREFIX}{nonce}|{ticket}|{path}"
 
 
-def parse_rid(rid: object) -> tuple[int, str] | None:
-    """(ticket index, slot path) for our requests, None for anyone else's."""
+def parse_rid(rid: object) -> tuple[int, str, int] | None:
+    """(ticket index, slot path, nonce) for our requests, None for anyone else's."""
     if not isinstance(rid, str) or not rid.startswith(RID_PREFIX):
         return None
-    _, _, ticket, path = rid.split("|", 3)
-    return int(ticket), path
+    _, nonce, ticket, path = rid.split("|", 3)
+    return int(ticket), path, int(nonce)
 
 
 def append_prefill_hidden_states(
@@ -151,17 +154,18 @@ def append_prefill_hidden_states(
     middle_chunk = getattr(req, "inflight_middle_chunks", 0) > 0
     if not (store or middle_chunk):
         return end
-    ticket, path = target
+    ticket, path, nonce = target
     try:
         mine = writes_here(req.rid)
     except RuntimeError as e:
-        fail(path, ticket, str(e))
+        fail(path, ticket, nonce, str(e))
         return end
     if mine:
         if not full:
             fail(
                 path,
                 ticket,
+                nonce,
                 "server captured only the last position; start it with "
                 "--enable-return-aux-hidden-states (return_hidden_states_mode full)",
             )
@@ -170,6 +174,7 @@ def append_prefill_hidden_states(
             write_features(
                 path,
                 ticket,
+                nonce,
                 chunk_start(req, extend_input_len),
                 logits_output.hidden_states[start:end],
                 None if last is None else last[start:end],

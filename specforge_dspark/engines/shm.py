@@ -7,30 +7,40 @@ copied on the way. Layout, all offsets 64-byte aligned:
 
     header   magic, capacity (tokens), max_seqs, aux width D, hidden H, dtype, offsets
     tickets  max_seqs x 256 bytes: per-sequence request/answer records (tickets.py)
-    ids      int64 [capacity]          input ids, [B, S] row-major
-    aux      dtype [capacity, D]       aux hidden states, [B, S, D]
-    last     dtype [capacity, H]       post-norm last hidden states, [B, S, H]
+    ids      int64 [capacity]          input ids, [T]
+    aux      dtype [capacity, D]       aux hidden states, [T, D]
+    last     dtype [capacity, H]       post-norm last hidden states, [T, H]
+
+Ragged: a request of B sequences of lengths n_0..n_{B-1} holds T = sum(n_b) rows, sequence
+b's at rows [o_b, o_b + n_b), o_b = n_0 + ... + n_{b-1} (SlotViews), so its bytes are its
+tokens' whatever the spread of its lengths. The trainer pads a copy for training
+(`SlotViews.padded`; a view when every length is the same). A slot grows by doubling, up
+to its SlotBudget (the most a request of the run can hold, slot_budget.py); a request over
+it is refused before anything is written, naming the recipe keys that set it.
 
 The trainer owns the files (creates, grows, unlinks); producers only open and write,
-keeping their mappings open (SlotMaps). Where CUDA is present both sides page-lock their
-mappings (`pin`): a GPU copies into or out of a slot by direct DMA at pinned bandwidth, and
-the trainer's host-to-GPU copy can be asynchronous (features.TargetFeatures.to; a slot
-waits for such copies before it is rewritten or unmapped: `note_read`, `wait_reads`).
+keeping their mappings open (slot_writer.SlotMaps). Where CUDA is present both sides
+page-lock their mappings (`pin`): a GPU copies into or out of a slot by direct DMA at
+pinned bandwidth, and the trainer's host-to-GPU copy can be asynchronous
+(features.TargetFeatures.to; a slot waits for such copies before it is rewritten or
+unmapped: `note_read`, `wait_reads`).
 This module imports only the standard library, torch and tickets.py, so the slot writer
 can use it inside every engine's server.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
-import shutil
 import struct
 import tempfile
 import threading
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -46,7 +56,7 @@ DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 1, torch.bfloat16: 2, torc
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 
 _HEADER = struct.Struct("<8s9q")  # magic, capacity, max_seqs, D, H, dtype, 4 offsets
-_MAGIC = b"SFDSPK01"
+_MAGIC = b"SFDSPK02"  # 02: ragged rows
 
 
 def _align(n: int) -> int:
@@ -100,34 +110,26 @@ class SlotLayout:
         if magic != _MAGIC or code not in CODE_DTYPES:
             raise RuntimeError(f"{where}: not a specforge_dspark feature slot (bad header)")
         plan = SlotLayout.plan(cap, seqs, aux_w, hidden, CODE_DTYPES[code])
-        if (plan.tickets_off, plan.ids_off, plan.aux_off, plan.last_off) != (
-            t_off,
-            i_off,
-            a_off,
-            l_off,
-        ):
+        offsets = (plan.tickets_off, plan.ids_off, plan.aux_off, plan.last_off)
+        if offsets != (t_off, i_off, a_off, l_off):
             raise RuntimeError(f"{where}: slot header offsets disagree with its sizes")
         return plan
 
 
-def map_file(path: str | Path, size: int | None = None) -> mmap.mmap:
-    """Map `path` read-write; create it with `size` bytes when size is given."""
-    return _map(path, size)[0]
-
-
-def _map(path: str | Path, size: int | None = None) -> tuple[mmap.mmap, tuple[int, int, int]]:
-    """map_file, with the identity of the file mapped: (device, inode, size)."""
+def map_path(path: str | Path, size: int | None = None) -> tuple[mmap.mmap, tuple[int, int, int]]:
+    """Map `path` read-write (create it with `size` bytes when size is given), with the
+    identity of the file mapped: (device, inode, size)."""
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if size is not None else 0)
     fd = os.open(path, flags, 0o600)
     try:
         if size is not None:
             os.ftruncate(fd, size)
-        return mmap.mmap(fd, 0), _identity(os.fstat(fd))
+        return mmap.mmap(fd, 0), identity(os.fstat(fd))
     finally:
         os.close(fd)
 
 
-def _identity(st: os.stat_result) -> tuple[int, int, int]:
+def identity(st: os.stat_result) -> tuple[int, int, int]:
     return st.st_dev, st.st_ino, st.st_size
 
 
@@ -165,11 +167,44 @@ def pin(buf: mmap.mmap) -> int:
     del whole  # no export may outlive this call: the mapping must stay closable
     err = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, 1))  # 1: Portable
     if err != 0:
-        logger.warning("cudaHostRegister of a %d-byte slot failed (error %d)", nbytes, err)
+        cleared = clear_cuda_error()
+        logger.warning(
+            "cudaHostRegister of a %d-byte slot failed (error %d; last error %s): copies "
+            "use pageable memory",
+            nbytes,
+            err,
+            "cleared" if cleared >= 0 else "not found to clear",
+        )
         return 0
     with _PIN_LOCK:
         _PINNED[addr] = (nbytes, [])
     return addr
+
+
+def clear_cuda_error() -> int:
+    """Reset this thread's CUDA "last error" (cudaGetLastError) and return it; -1 when no
+    CUDA runtime is loaded here. A failed runtime call such as cudaHostRegister leaves
+    its error there, and the next launch check of the process (c10's, an engine's) would
+    report it as its own kernel's failure."""
+    runtime = _cuda_runtime()
+    return -1 if runtime is None else int(runtime.cudaGetLastError())
+
+
+def _cuda_runtime():
+    """The CUDA runtime library this process loaded (torch's, found in /proc/self/maps; a
+    second copy would keep its own last error), or None. torch.cuda.cudart() binds only a
+    few calls, not cudaGetLastError."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libcudart" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
 
 
 def unpin(addr: int) -> None:
@@ -205,52 +240,139 @@ def wait_reads(addr: int) -> None:
         event.synchronize()
 
 
-class SlotViews:
-    """Tensors over one mapped slot for a [B, S] request (producer or consumer side)."""
+def starts(lengths: Sequence[int]) -> list[int]:
+    """Row offset of each sequence of a ragged request: o_b = n_0 + ... + n_{b-1}."""
+    return list(accumulate((int(n) for n in lengths), initial=0))[:-1]
 
-    def __init__(self, buf: mmap.mmap, layout: SlotLayout, B: int, S: int):
-        if B * S > layout.capacity or B > layout.max_seqs:
+
+def pad_rows(rows_T, lengths: Sequence[int], S: int, pin: bool = False) -> torch.Tensor:
+    """Ragged rows [T, ...] as right-padded sequences [B, S, ...] (zeros on padding): a
+    view of `rows_T` when every sequence has S rows, else a copy (page-locked with `pin`)."""
+    B = len(lengths)
+    if all(int(n) == S for n in lengths):
+        return rows_T[: B * S].view(B, S, *rows_T.shape[1:])
+    out = torch.zeros((B, S, *rows_T.shape[1:]), dtype=rows_T.dtype, pin_memory=pin)
+    for b, (o, n) in enumerate(zip(starts(lengths), lengths, strict=True)):
+        out[b, :n] = rows_T[o : o + n]
+    return out
+
+
+class SlotViews:
+    """Tensors over one mapped slot for a ragged request of sequences `lengths` (producer
+    or consumer side): input_ids [T], aux [T, D], last [T, H], T = sum(lengths), sequence
+    b's rows at `starts[b]`."""
+
+    def __init__(self, buf: mmap.mmap, layout: SlotLayout, lengths: Sequence[int]):
+        self.lengths = [int(n) for n in lengths]
+        self.starts = starts(self.lengths)
+        T, B = sum(self.lengths), len(self.lengths)
+        if T > layout.capacity or B > layout.max_seqs:
             raise RuntimeError(
                 f"slot holds {layout.capacity} tokens / {layout.max_seqs} sequences, "
-                f"request needs [{B}, {S}]"
+                f"request needs {T} / {B}"
             )
         self.layout = layout
-        self.input_ids = view(buf, torch.long, layout.ids_off, (B, S))
-        self.aux_hidden = view(buf, layout.dtype, layout.aux_off, (B, S, layout.aux_width))
-        self.last_hidden = view(buf, layout.dtype, layout.last_off, (B, S, layout.hidden))
+        self.input_ids = view(buf, torch.long, layout.ids_off, (T,))
+        self.aux = view(buf, layout.dtype, layout.aux_off, (T, layout.aux_width))
+        self.last = view(buf, layout.dtype, layout.last_off, (T, layout.hidden))
+
+    def rows(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence b's aux rows [n_b, D] and last-hidden rows [n_b, H]."""
+        o, n = self.starts[b], self.lengths[b]
+        return self.aux[o : o + n], self.last[o : o + n]
+
+    def offsets(self, b: int) -> tuple[int, int]:
+        """Byte offsets in the slot of sequence b's first aux row and first last row."""
+        lay, item = self.layout, self.aux.element_size()
+        o = self.starts[b]
+        return lay.aux_off + o * lay.aux_width * item, lay.last_off + o * lay.hidden * item
+
+    def put_ids(self, input_ids_BS: torch.Tensor) -> None:
+        """Write right-padded input ids [B, S] as the request's ragged ids."""
+        for b, (o, n) in enumerate(zip(self.starts, self.lengths, strict=True)):
+            self.input_ids[o : o + n] = input_ids_BS[b, :n]
+
+    def padded(self, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """aux [B, S, D] and last [B, S, H], right-padded with zeros (`pad_rows`)."""
+        pin = torch.cuda.is_available()
+        return pad_rows(self.aux, self.lengths, S, pin), pad_rows(self.last, self.lengths, S, pin)
+
+
+@dataclass(frozen=True)
+class SlotBudget:
+    """The most one request of a run can hold (slot_budget.request_budget)."""
+
+    tokens: int
+    seqs: int
+    keys: str  # the recipe keys that set it, for the refusal
+
+    def refusal(self, lengths: Sequence[int]) -> str:
+        """Why a request of `lengths` does not fit; "" when it does."""
+        T, B = sum(int(n) for n in lengths), len(lengths)
+        if T <= self.tokens and B <= self.seqs:
+            return ""
+        return (
+            f"a target request of {B} sequence(s) / {T} tokens (longest {max(lengths)}) is "
+            f"over the feature slot budget of {self.tokens} tokens / {self.seqs} sequences "
+            f"({self.keys}); nothing was written: keep rows within data.max_length or raise "
+            "the keys that set the budget"
+        )
+
+
+def _grow(need: int, have: int, most: int) -> int:
+    """Doubling growth to fit `need`, never past `most` (0: no bound)."""
+    size = max(need, 2 * have)
+    return min(size, most) if most else size
 
 
 class ShmSlot:
-    """A trainer-owned slot file that grows (never shrinks) to fit each request, by
-    doubling up to `max_tokens` (0: no bound)."""
+    """A trainer-owned slot file, named `<FILE_PREFIX><job>-<pid>-<tag>-<random>`, that
+    grows (never shrinks) to fit each request, by doubling up to its `budget` (None: no
+    bound)."""
 
     def __init__(
-        self, tag: str, aux_width: int, hidden: int, dtype: torch.dtype, max_tokens: int = 0
+        self,
+        tag: str,
+        aux_width: int,
+        hidden: int,
+        dtype: torch.dtype,
+        budget: SlotBudget | None = None,
+        job: str = "0",
     ):
-        self.tag, self.max_tokens = tag, max_tokens
+        self.tag, self.budget, self.job = tag, budget, job
         self.aux_width, self.hidden, self.dtype = aux_width, hidden, dtype
         self.path: Path | None = None
         self.layout: SlotLayout | None = None
         self.buf: mmap.mmap | None = None
         self.pinned = 0  # address of the page-locked mapping (0: not pinned)
+        self.issued: dict[int, int] = {}  # ticket index -> nonce of the ticket written there
 
-    def prepare(self, B: int, S: int) -> SlotViews:
-        """Views for a [B, S] request, reallocating first when it does not fit. Call it
+    def prepare(self, lengths: Sequence[int]) -> SlotViews:
+        """Views for a request of sequences `lengths`, reallocating first when it does not
+        fit; ValueError, before anything is written, when it is over the budget. Call it
         before the slot is written: it waits for asynchronous copies still reading it."""
+        problem = self.budget.refusal(lengths) if self.budget else ""
+        if problem:
+            raise ValueError(problem)
         wait_reads(self.pinned)
-        lay = self.layout
-        if lay is None or B * S > lay.capacity or B > lay.max_seqs:
-            cap = max(B * S, 2 * lay.capacity if lay else 0)
-            if self.max_tokens >= B * S:
-                cap = min(cap, self.max_tokens)
-            seqs = max(B, lay.max_seqs if lay else 0)
+        T, B, lay = sum(int(n) for n in lengths), len(lengths), self.layout
+        if lay is None or T > lay.capacity or B > lay.max_seqs:
+            most = self.budget or SlotBudget(0, 0, "")
+            cap = _grow(T, lay.capacity if lay else 0, most.tokens)
+            seqs = _grow(B, lay.max_seqs if lay else 0, most.seqs)
             self._allocate(SlotLayout.plan(cap, seqs, self.aux_width, self.hidden, self.dtype))
-        return SlotViews(self.buf, self.layout, B, S)
+        return self.views(lengths)
+
+    def views(self, lengths: Sequence[int]) -> SlotViews:
+        """Views of the request `prepare` fitted the slot to."""
+        assert self.layout is not None, "prepare the slot first"
+        return SlotViews(self.buf, self.layout, lengths)
 
     def _allocate(self, layout: SlotLayout) -> None:
         self.close()
-        path = SHM_DIR / f"{FILE_PREFIX}{os.getpid()}-{self.tag}-{uuid.uuid4().hex[:12]}"
-        buf = map_file(path, layout.nbytes)
+        name = f"{FILE_PREFIX}{self.job}-{os.getpid()}-{self.tag}-{uuid.uuid4().hex[:12]}"
+        path = SHM_DIR / name
+        buf = map_path(path, layout.nbytes)[0]
         buf[: _HEADER.size] = layout.pack()
         self.path, self.layout, self.buf = path, layout, buf
         self.pinned = pin(buf)
@@ -262,6 +384,7 @@ class ShmSlot:
     def write_ticket(self, index: int, ticket: Ticket) -> None:
         off = self.ticket_offset(index)
         self.buf[off : off + TICKET_SIZE] = ticket.pack()
+        self.issued[index] = ticket.nonce
 
     def read_ticket(self, index: int) -> Ticket | None:
         return Ticket.unpack(self.buf, self.ticket_offset(index))
@@ -273,123 +396,3 @@ class ShmSlot:
         unpin(self.pinned)
         release(self.buf)
         self.path, self.layout, self.buf, self.pinned = None, None, None, 0
-
-
-SHM_HINT = (
-    "raise it (docker run --shm-size=<N>g, Kubernetes: an emptyDir with medium: Memory "
-    "mounted at /dev/shm) or lower train.micro_batch_size, data.max_length or target.prefetch"
-)
-
-
-def make_slots(
-    rank: int, num_slots: int, aux_width: int, hidden: int, dtype: torch.dtype, recipe
-) -> list[ShmSlot]:
-    """The `num_slots` slots of one trainer rank, after checking that those of every
-    rank on this node fit in SHM_DIR at their largest (B = train.micro_batch_size
-    sequences of data.max_length tokens), so a small /dev/shm fails at start-up with
-    the size it needs instead of with SIGBUS mid-run."""
-    seqs = recipe.train.micro_batch_size
-    tokens = seqs * recipe.data.max_length
-    per_slot = SlotLayout.plan(tokens, seqs, aux_width, hidden, dtype).nbytes
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    need = per_slot * num_slots * local
-    free = shutil.disk_usage(SHM_DIR).free + _ours_bytes()
-    if need > free:
-        raise RuntimeError(
-            f"shared memory: feature slots need {need / 2**30:.2f} GiB in {SHM_DIR} "
-            f"({local} rank(s) x {num_slots} slots x {per_slot / 2**20:.1f} MiB for "
-            f"{seqs} x {recipe.data.max_length} tokens of aux width {aux_width} + hidden "
-            f"{hidden}), {free / 2**30:.2f} GiB free: {SHM_HINT}"
-        )
-    return [
-        ShmSlot(f"r{rank}s{i}", aux_width, hidden, dtype, max_tokens=tokens)
-        for i in range(num_slots)
-    ]
-
-
-def _ours_bytes() -> int:
-    """Bytes already held by slots of this process (they are replaced, not added)."""
-    total = 0
-    for path in SHM_DIR.glob(f"{FILE_PREFIX}{os.getpid()}-*"):
-        try:
-            total += path.stat().st_size
-        except OSError:
-            continue
-    return total
-
-
-def sweep_stale_slots() -> list[Path]:
-    """Unlink slot files of ours (same uid) whose creating process is gone, e.g. after a
-    SIGKILL, so a crashed run does not keep holding shared memory; returns them."""
-    swept = []
-    for path in SHM_DIR.glob(f"{FILE_PREFIX}*"):
-        try:
-            pid = int(path.name[len(FILE_PREFIX) :].split("-", 1)[0])
-            if path.stat().st_uid != os.getuid():
-                continue
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            path.unlink(missing_ok=True)
-            swept.append(path)
-        except (ValueError, OSError):
-            continue  # not ours to judge: malformed name, vanished, or another user's pid
-    return swept
-
-
-class SlotMaps:
-    """Producer side (the SGLang plugin, the vLLM connector, the hf worker): slot path ->
-    its mapping and layout, opened once and kept (page-locked where CUDA is present).
-    A path whose file was replaced (another device, inode or size) is mapped again; one
-    whose file is gone is dropped, and so is, whenever a new mapping is made, every other
-    whose file is gone or replaced (a regrown slot, a trainer that exited or restarted).
-    Thread-safe."""
-
-    def __init__(self):
-        self._maps: dict[str, tuple[tuple[int, int, int], mmap.mmap, SlotLayout, int]] = {}
-        self._lock = threading.Lock()
-        self.mapped = 0  # mappings made so far
-
-    def get(self, path: str) -> tuple[mmap.mmap, SlotLayout]:
-        """The mapping of `path` and its layout; FileNotFoundError when it is gone."""
-        with self._lock:
-            cached = self._maps.get(path)
-            try:
-                now = _identity(os.stat(path))
-            except FileNotFoundError:
-                self._drop(path)
-                raise
-            if cached is not None and cached[0] == now:
-                return cached[1], cached[2]
-            self._drop_stale()
-            buf, now = _map(path)
-            try:
-                layout = SlotLayout.unpack(buf, path)
-            except Exception:
-                release(buf)
-                raise
-            self._maps[path] = (now, buf, layout, pin(buf))
-            self.mapped += 1
-            return buf, layout
-
-    def views(self, path: str, B: int, S: int) -> SlotViews:
-        return SlotViews(*self.get(path), B, S)
-
-    def close(self) -> None:
-        with self._lock:
-            for path in list(self._maps):
-                self._drop(path)
-
-    def _drop(self, path: str) -> None:
-        cached = self._maps.pop(path, None)
-        if cached is not None:
-            unpin(cached[3])
-            release(cached[1])
-
-    def _drop_stale(self) -> None:
-        for path, cached in list(self._maps.items()):
-            try:
-                current = _identity(os.stat(path)) == cached[0]
-            except FileNotFoundError:
-                current = False
-            if not current:
-                self._drop(path)

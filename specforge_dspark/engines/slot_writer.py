@@ -2,9 +2,13 @@
 answers its ticket.
 
 Called inside the engine's server (the SGLang plugin's hook, the vLLM connector's worker)
-with the slot path and ticket index the trainer put in the request. `SLOTS` keeps each
-slot mapped once per process (page-locked on CUDA, shm.SlotMaps), so the device-to-host
-copy is one DMA into the slot. A request's rows may arrive in chunks (a split prefill):
+with the slot path, ticket index and nonce the trainer put in the request. `SLOTS` keeps
+each slot mapped once per process (page-locked on CUDA, `SlotMaps`; the hf worker keeps
+its own), so the device-to-host copy is one DMA into the slot. A writer whose nonce is not
+the ticket's (the trainer gave up on its request and reused the slot) writes nothing: it
+checks before copying and again before answering, so a late write lands only if it was
+already copying when the slot was reused (the trainer first waits for the abandoned
+request's reply, served.py `submit`). A request's rows may arrive in chunks (a split prefill):
 each lands at its offset in the sequence, and the ticket turns DONE once all of them are
 there. Nothing here raises into the engine: a failure goes to the trainer through the
 ticket (FAILED, with the reason), and the server keeps serving.
@@ -16,27 +20,102 @@ Imports only torch, the standard library, shm.py and tickets.py: it is installed
 from __future__ import annotations
 
 import logging
+import mmap
+import os
+import threading
+from collections.abc import Sequence
 
 import torch
 
-from specforge_dspark.engines.shm import CODE_DTYPES, SlotMaps, view
+from specforge_dspark.engines.shm import (
+    CODE_DTYPES,
+    SlotLayout,
+    SlotViews,
+    identity,
+    map_path,
+    pin,
+    release,
+    unpin,
+    view,
+)
 from specforge_dspark.engines.tickets import DONE, FAILED, PENDING, TICKET_SIZE, Ticket
 
 logger = logging.getLogger(__name__)
 
+
+class SlotMaps:
+    """Producer side (the SGLang plugin, the vLLM connector, the hf worker): slot path ->
+    its mapping and layout, opened once and kept (page-locked where CUDA is present).
+    A path whose file was replaced (another device, inode or size) is mapped again; one
+    whose file is gone is dropped, and so is, whenever a new mapping is made, every other
+    whose file is gone or replaced (a regrown slot, a trainer that exited or restarted).
+    Thread-safe."""
+
+    def __init__(self):
+        self._maps: dict[str, tuple[tuple[int, int, int], mmap.mmap, SlotLayout, int]] = {}
+        self._lock = threading.Lock()
+        self.mapped = 0  # mappings made so far
+
+    def get(self, path: str) -> tuple[mmap.mmap, SlotLayout]:
+        """The mapping of `path` and its layout; FileNotFoundError when it is gone."""
+        with self._lock:
+            cached = self._maps.get(path)
+            try:
+                now = identity(os.stat(path))
+            except FileNotFoundError:
+                self._drop(path)
+                raise
+            if cached is not None and cached[0] == now:
+                return cached[1], cached[2]
+            self._drop_stale()
+            buf, now = map_path(path)
+            try:
+                layout = SlotLayout.unpack(buf, path)
+            except Exception:
+                release(buf)
+                raise
+            self._maps[path] = (now, buf, layout, pin(buf))
+            self.mapped += 1
+            return buf, layout
+
+    def views(self, path: str, lengths: Sequence[int]) -> SlotViews:
+        """Views of the slot at `path` for a request of sequences `lengths`."""
+        return SlotViews(*self.get(path), lengths)
+
+    def close(self) -> None:
+        with self._lock:
+            for path in list(self._maps):
+                self._drop(path)
+
+    def _drop(self, path: str) -> None:
+        cached = self._maps.pop(path, None)
+        if cached is not None:
+            unpin(cached[3])
+            release(cached[1])
+
+    def _drop_stale(self) -> None:
+        for path, cached in list(self._maps.items()):
+            try:
+                current = identity(os.stat(path)) == cached[0]
+            except FileNotFoundError:
+                current = False
+            if not current:
+                self._drop(path)
+
+
 SLOTS = SlotMaps()  # this process's slot mappings, kept open
 
 
-def write_features(path: str, ticket: int, row0: int | None, aux_ND, last_NH) -> None:
+def write_features(path: str, ticket: int, nonce: int, row0: int | None, aux_ND, last_NH) -> None:
     """Copy one request's rows [row0, row0 + N) into its slot and update the ticket:
     done once all of its rows are written (row0 None: right after those written so far).
-    Never raises."""
+    Nothing when the ticket's nonce is not `nonce` (module docstring). Never raises."""
     try:
         buf, layout = SLOTS.get(path)
         off = layout.tickets_off + ticket * TICKET_SIZE
-        t = Ticket.unpack(buf, off)
+        t = _mine(buf, off, nonce, path, ticket)
         if t is None:
-            raise RuntimeError(f"no ticket {ticket} in {path}")
+            return
         if row0 is None:
             row0 = t.written
         rows = aux_ND.shape[0]
@@ -52,9 +131,26 @@ def write_features(path: str, ticket: int, row0: int | None, aux_ND, last_NH) ->
             view(buf, dtype, last_off, (rows, t.hidden)).copy_(last_NH)
             t.written = row0 + rows
             t.status = DONE if t.written == t.rows else PENDING
-        buf[off : off + TICKET_SIZE] = t.pack()
+        if _mine(buf, off, nonce, path, ticket) is not None:
+            buf[off : off + TICKET_SIZE] = t.pack()
     except Exception:
         logger.exception("specforge_dspark: could not hand features to %s", path)
+
+
+def _mine(buf, off: int, nonce: int, path: str, index: int) -> Ticket | None:
+    """The ticket at `off` when it is this request's (its nonce is `nonce`), else None."""
+    t = Ticket.unpack(buf, off)
+    if t is None:
+        raise RuntimeError(f"no ticket {index} in {path}")
+    if t.nonce != nonce:
+        logger.warning(
+            "specforge_dspark: ticket %d of %s was reissued (the trainer gave up on this "
+            "request): writing nothing",
+            index,
+            path,
+        )
+        return None
+    return t
 
 
 def _check(t: Ticket, row0: int, aux_ND, last_NH) -> str:
@@ -79,12 +175,12 @@ def _check(t: Ticket, row0: int, aux_ND, last_NH) -> str:
     return ""
 
 
-def fail(path: str, ticket: int, message: str) -> None:
-    """Mark a ticket failed with `message` (best effort)."""
+def fail(path: str, ticket: int, nonce: int, message: str) -> None:
+    """Mark a ticket failed with `message` (best effort; nothing on another nonce)."""
     try:
         buf, layout = SLOTS.get(path)
         off = layout.tickets_off + ticket * TICKET_SIZE
-        t = Ticket.unpack(buf, off)
+        t = _mine(buf, off, nonce, path, ticket)
         if t is not None:
             t.status, t.error = FAILED, message
             buf[off : off + TICKET_SIZE] = t.pack()

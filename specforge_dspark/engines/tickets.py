@@ -4,20 +4,24 @@ The trainer issues a ticket per sequence of a request (status PENDING, the rows 
 expects, where its rows go in the slot, their width and dtype); the producer inside the
 engine (slot_writer.py, called by the SGLang plugin and the vLLM connector) copies the rows
 there and marks the ticket DONE once all of them are written, or FAILED with the reason.
+Each ticket carries a nonce, fresh per request, that the trainer also puts in the request:
+a writer whose nonce is not the ticket's (a request the trainer gave up on, its slot since
+reused) writes nothing (slot_writer.py).
 The trainer reads the tickets, not the engine's reply, to know what was written
 (served.py): with tensor parallelism any rank may write, and vLLM's connector writes after
 the reply may have left. Standard library only: it runs inside every engine's venv.
 
 Record (256 bytes, little-endian): magic, status, rows, written, aux_off, last_off,
-aux_width, hidden, dtype code, a reserved word, then up to 176 bytes of UTF-8 error text.
+aux_width, hidden, dtype code, nonce, then up to 176 bytes of UTF-8 error text.
 """
 
 from __future__ import annotations
 
+import secrets
 import struct
 from dataclasses import dataclass
 
-_TICKET = struct.Struct("<8s9q176s")  # magic, status, rows, written, offsets..., error
+_TICKET = struct.Struct("<8s9q176s")  # magic, status, rows, written, offsets..., nonce, error
 TICKET_SIZE = _TICKET.size  # 256
 _TICKET_MAGIC = b"SFDTKT01"
 
@@ -37,6 +41,7 @@ class Ticket:
     hidden: int
     dtype_code: int
     error: str = ""
+    nonce: int = 0  # the request's: a writer presenting another one writes nothing
 
     def pack(self) -> bytes:
         """The record: TICKET_SIZE bytes."""
@@ -51,17 +56,22 @@ class Ticket:
             self.aux_width,
             self.hidden,
             self.dtype_code,
-            0,
+            self.nonce,
             err,
         )
 
     @staticmethod
     def unpack(buf, offset: int) -> Ticket | None:
         """The ticket at `offset` of `buf`; None when none was issued there."""
-        magic, status, rows, written, a_off, l_off, aux_w, hidden, code, _, err = (
+        magic, status, rows, written, a_off, l_off, aux_w, hidden, code, nonce, err = (
             _TICKET.unpack_from(buf, offset)
         )
         if magic != _TICKET_MAGIC:
             return None
         text = err.rstrip(b"\0").decode(errors="replace")
-        return Ticket(status, rows, written, a_off, l_off, aux_w, hidden, code, text)
+        return Ticket(status, rows, written, a_off, l_off, aux_w, hidden, code, text, nonce)
+
+
+def new_nonce() -> int:
+    """A request's nonce: random, 63 bits (never 0, the nonce of a ticket issued without)."""
+    return secrets.randbits(63) | 1

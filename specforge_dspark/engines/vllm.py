@@ -50,7 +50,8 @@ from specforge_dspark.engines.shm import ShmSlot, SlotViews
 
 CONNECTOR_MODULE = "specforge_dspark.engines.vllm_connector"
 CONNECTOR_NAME = "ShmHiddenStatesConnector"  # the class in CONNECTOR_MODULE
-SLOT_KEY, TICKET_KEY = "sfdspark_slot", "sfdspark_ticket"  # its kv_transfer_params keys
+SLOT_KEY, TICKET_KEY, NONCE_KEY = "sfdspark_slot", "sfdspark_ticket", "sfdspark_nonce"
+"""A feature request's kv_transfer_params keys (vllm_connector.py reads them)."""
 CPU_SHIMS = Path(__file__).resolve().parent / "cpu" / "shims" / "vllm_cpu"
 CPU_SERVER_ARGS: dict[str, Any] = {"enforce_eager": True}
 """Defaults for a CPU server (`target.device: cpu`; target.vllm.server_args overrides
@@ -193,7 +194,9 @@ class VLLMEngine(ServedEngine):
 
     def post(self, seq: int, slot: ShmSlot, batch: PaddedBatch) -> Future:
         bodies = [
-            request_body(batch.input_ids[b, : int(n)].tolist(), str(slot.path), b)
+            request_body(
+                batch.input_ids[b, : int(n)].tolist(), str(slot.path), b, slot.read_ticket(b).nonce
+            )
             for b, n in enumerate(batch.lengths)
         ]
         fut: Future = Future()
@@ -217,14 +220,14 @@ class VLLMEngine(ServedEngine):
 
     def finish(self, views: SlotViews, b: int, rows: int) -> None:
         """vLLM's capture stops before the final norm: apply it (module docstring)."""
-        rms_norm_(views.last_hidden[b, :rows], self.norm_weight, self.norm_eps)
+        rms_norm_(views.rows(b)[1], self.norm_weight, self.norm_eps)
 
 
-def request_body(input_ids: list[int], slot_path: str, ticket: int) -> dict[str, Any]:
+def request_body(input_ids: list[int], slot_path: str, ticket: int, nonce: int) -> dict[str, Any]:
     """One sequence's `/v1/completions` request: prefill only, features to the slot."""
     return {
         "prompt": input_ids,
         "max_tokens": 1,
         "temperature": 0.0,
-        "kv_transfer_params": {SLOT_KEY: slot_path, TICKET_KEY: ticket},
+        "kv_transfer_params": {SLOT_KEY: slot_path, TICKET_KEY: ticket, NONCE_KEY: nonce},
     }

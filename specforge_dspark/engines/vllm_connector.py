@@ -12,7 +12,8 @@ safetensors file, through pinned memory and CUDA events. This subclass keeps its
 scheduler side (which blocks a finished request's cache rows until the worker has read
 them) and replaces the worker side: it copies the rows straight into the trainer's slot
 named by the request's `kv_transfer_params` ({"sfdspark_slot": path, "sfdspark_ticket":
-i}), synchronously, and marks the ticket done (slot_writer.write_features). No file,
+i, "sfdspark_nonce": n}), synchronously, and marks the ticket done
+(slot_writer.write_features: nothing when n is no longer the ticket's nonce). No file,
 no pinned memory, no event: the same code runs on CPU (where the example fails:
 "pin_memory=True requires a CUDA or other accelerator backend", and the CPU event
 placeholder has no `.query()`) and on GPU (one device-to-host copy per request).
@@ -35,12 +36,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 
 from specforge_dspark.engines.slot_writer import fail, write_features
-from specforge_dspark.engines.vllm import SLOT_KEY, TICKET_KEY
+from specforge_dspark.engines.vllm import NONCE_KEY, SLOT_KEY, TICKET_KEY
 
 
 @dataclass
 class SlotSave(PendingSave):
     ticket: int = 0
+    nonce: int = 0
 
 
 class ShmHiddenStatesConnector(ExampleHiddenStatesConnector):
@@ -65,6 +67,7 @@ class ShmHiddenStatesConnector(ExampleHiddenStatesConnector):
             token_ids=torch.tensor(request.prompt_token_ids or [], dtype=torch.long),
             block_ids=list(block_ids),
             ticket=int(params[TICKET_KEY]),
+            nonce=int(params.get(NONCE_KEY, 0)),
         )
         return True, None
 
@@ -102,6 +105,7 @@ class ShmHiddenStatesConnector(ExampleHiddenStatesConnector):
             rows_NKH = rows_NKH.to("cpu")
             # heads: the aux layers in order, then the final layer's (pre-norm) output
             aux_ND = rows_NKH[:, :-1].reshape(n, -1)
-            write_features(pending.filename, pending.ticket, 0, aux_ND, rows_NKH[:, -1])
+            last_NH = rows_NKH[:, -1]
+            write_features(pending.filename, pending.ticket, pending.nonce, 0, aux_ND, last_NH)
         except Exception as e:  # the trainer reads the reason from the ticket
-            fail(pending.filename, pending.ticket, f"{type(e).__name__}: {e}")
+            fail(pending.filename, pending.ticket, pending.nonce, f"{type(e).__name__}: {e}")

@@ -20,8 +20,12 @@ allocator slack, CUDA context and kernel workspaces. Per rank, with W data-paral
   (~4 fp32 tensors of C*P*V: draft logits, teacher, softmax, gradient).
 
 `objective.recompute: auto` is off when the whole estimate with every decoder chunk kept
-fits in FIT_FRACTION of the device's memory (`available_bytes`), else on
-(`recompute_choice`; `resolve_recompute` applies it to a recipe before training).
+fits in FIT_FRACTION of the memory the trainer has (`available_bytes`), else on
+(`recompute_choice`; `resolve_recompute` applies it to a recipe before training). On a
+GPU shared with a server the run starts (backend sglang or vllm, no url, target.device
+not cpu: the node's server spans its GPUs) that is what the server leaves,
+(1 - its share) x the GPU's memory: SGLang's mem_fraction_static, vLLM's
+gpu_memory_utilization (`server_share`).
 """
 
 from __future__ import annotations
@@ -101,23 +105,28 @@ def total_bytes(est: dict[str, float]) -> float:
 
 
 def recompute_choice(
-    recipe: Recipe, trainable_params: int, world: int, available: int | None
+    recipe: Recipe,
+    trainable_params: int,
+    world: int,
+    available: int | None,
+    what: str = "",
 ) -> tuple[bool, str]:
     """Whether to recompute the decoder's activations, and the dry-run line saying why.
 
     objective.recompute on / off are kept; auto is off when the estimate with every
     decoder chunk kept fits in FIT_FRACTION of `available` bytes (`available_bytes`;
-    None = unknown, then on)."""
+    None = unknown, then on). `what`: `available_bytes`'s word on where they come from."""
     mode = recipe.objective.recompute
     if mode != "auto":
         return mode == "on", f"activation recompute: {mode} (objective.recompute: {mode})"
     est = estimate(recipe, trainable_params, world, recompute=False)
     decoder, total = est[f"activations: {DECODER[False]}"], total_bytes(est)
     if available is None:
-        return True, "activation recompute: on (auto: the device's memory is unknown here)"
+        why = what or "the device's memory is unknown here"
+        return True, f"activation recompute: on (auto: {why})"
     said = (
         f"decoder activations {_size(decoder)}, estimated total {_size(total)}, "
-        f"{_size(available)} available"
+        f"{_size(available)} available{f' ({what})' if what else ''}"
     )
     if total <= FIT_FRACTION * available:
         return False, f"activation recompute: off (auto: {said}: fits)"
@@ -128,22 +137,47 @@ def _size(n: float) -> str:
     return f"{n / GB:.1f} GB" if n >= GB else f"{n / 1e6:.0f} MB"
 
 
-def available_bytes(device: str) -> int | None:
-    """Memory a run on `device` may use: the GPU's total memory for cuda, MemAvailable of
-    /proc/meminfo for the CPU; None when it cannot be known here."""
+SERVER_SHARE = {"sglang": ("mem_fraction_static", None), "vllm": ("gpu_memory_utilization", 0.92)}
+"""Per served backend: the server argument that sizes its share of each GPU, and the
+engine's default for it (None: SGLang picks one from the GPU, not known here)."""
+
+
+def server_share(recipe: Recipe) -> tuple[float | None, str] | None:
+    """(share of the GPU, recipe key) of a server the run starts beside the trainer on
+    its GPUs; None when there is none (hf / offline, an attached server, a CPU server)."""
+    t = recipe.target
+    if t.backend not in SERVER_SHARE or t.device == "cpu" or getattr(t, t.backend).url:
+        return None
+    name, default = SERVER_SHARE[t.backend]
+    share = getattr(t, t.backend).server_args.get(name, default)
+    return share, f"target.{t.backend}.server_args.{name}"
+
+
+def available_bytes(device: str, recipe: Recipe | None = None) -> tuple[int | None, str]:
+    """Memory a run on `device` may use, and what it is ("" for the plain case): the
+    GPU's total memory for cuda, less a co-located server's share (`server_share` of
+    `recipe`); MemAvailable of /proc/meminfo for the CPU; None when it cannot be known."""
     if device.startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
-            return None
+            return None, ""
         index = torch.device(device).index
-        return torch.cuda.get_device_properties(index or 0).total_memory
+        total = torch.cuda.get_device_properties(index or 0).total_memory
+        server = server_share(recipe) if recipe is not None else None
+        if server is None:
+            return total, ""
+        share, key = server
+        if share is None:
+            return None, f"the co-located server's share of the GPU is unknown: set {key}"
+        left = int(max(0.0, 1.0 - float(share)) * total)
+        return left, f"left of the GPU's {_size(total)} by the co-located server, {key} {share}"
     try:
         with open("/proc/meminfo") as f:
             info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024
+        return int(info["MemAvailable"].split()[0]) * 1024, ""
     except (OSError, KeyError, ValueError):
-        return None
+        return None, ""
 
 
 def resolve_recompute(
@@ -152,7 +186,7 @@ def resolve_recompute(
     """The recipe with objective.recompute "on" or "off" (`recompute_choice` for `draft`'s
     trainable parameters on `device`), for the objective of a run; `say` gets the reason."""
     n = sum(p.numel() for p in draft.parameters() if p.requires_grad)
-    on, why = recompute_choice(recipe, n, world, available_bytes(str(device)))
+    on, why = recompute_choice(recipe, n, world, *available_bytes(str(device), recipe))
     say(why)
     objective = dataclasses.replace(recipe.objective, recompute="on" if on else "off")
     return dataclasses.replace(recipe, objective=objective)
@@ -170,6 +204,22 @@ def report(recipe: Recipe, trainable_params: int, world: int, recompute: bool = 
     lines += [f"  {k:<34} {v / scale:>9.2f} {unit}" for k, v in est.items()]
     lines.append(f"  {'total':<34} {total / scale:>9.2f} {unit}")
     return lines
+
+
+def slot_summary(recipe: Recipe) -> str:
+    """The dry run's line on a rank's shared-memory feature slots at their largest
+    (engines/slot_budget.py; the target's hidden size taken as draft.hidden_size)."""
+    from specforge_dspark.engines.features import DTYPES
+    from specforge_dspark.engines.slot_budget import request_budget, slot_bytes
+
+    d, budget = recipe.draft, request_budget(recipe)
+    aux = len(d.target_layer_ids) * d.hidden_size
+    per_slot = slot_bytes(recipe, aux, d.hidden_size, DTYPES[recipe.target.dtype])
+    return (
+        f"feature slots (/dev/shm, per rank): {recipe.target.prefetch + 1} x "
+        f"{per_slot / 2**20:.1f} MiB; a target request holds at most {budget.tokens} tokens / "
+        f"{budget.seqs} sequences ({budget.keys})"
+    )
 
 
 def dry_run_summary(recipe: Recipe, world: int = 1) -> list[str]:
@@ -207,7 +257,10 @@ def dry_run_summary(recipe: Recipe, world: int = 1) -> list[str]:
         f"decoder chunk {o.decode_chunk_size}"
     )
     lines.append(f"target backend: {recipe.target.backend} ({recipe.target.path})")
-    recompute, why = recompute_choice(recipe, n, world, available_bytes(recipe.target.device))
+    if recipe.target.backend != "offline":
+        lines.append(slot_summary(recipe))
+    available, what = available_bytes(recipe.target.device, recipe)
+    recompute, why = recompute_choice(recipe, n, world, available, what)
     lines.append(why)
     lines += report(recipe, n, world, recompute)
     lines.append(f"trainable_params: {n}")

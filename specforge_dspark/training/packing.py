@@ -17,6 +17,10 @@ served. Blocks never straddle a boundary: `pack_features` leaves a conversation'
 token unsupervised (a chat template's first token always is), so no anchor sits on it
 and every block's supervised prefix (objective/blocks.py) stops before it.
 
+The target sees a micro-batch as one batch of its conversations: at most
+train.micro_batch_size x data.max_length tokens however many conversations, which the
+ragged feature slots are sized for (engines/slot_budget.py).
+
 Shape legend: B conversations of the micro-batch, S their padded length, P packed rows,
 L the longest pack's length, D aux width, H hidden size.
 """

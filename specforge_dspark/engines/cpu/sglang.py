@@ -28,6 +28,7 @@ import torch
 
 from specforge_dspark.engines.cpu import sglang_dflash as sglang_cpu_dflash
 from specforge_dspark.engines.cpu import sglang_inkling as sglang_cpu_inkling
+from specforge_dspark.engines.cpu import sglang_tp as sglang_cpu_tp
 
 SPECULATIVE_HOOK = "sglang.srt.arg_groups.speculative_hook"
 TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
@@ -45,6 +46,7 @@ def register() -> None:
         torch.Tensor.record_stream = _record_stream_cpu_noop(torch.Tensor.record_stream)
     sglang_cpu_inkling.register()
     sglang_cpu_dflash.register(handle_dspark)
+    sglang_cpu_tp.register()
 
 
 def _record_stream_cpu_noop(original):

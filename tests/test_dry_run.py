@@ -1,0 +1,126 @@
+"""`train.py --dry-run` on served targets: the launch arguments are checked by the engine
+itself, naming the recipe key it refuses; `objective.recompute: auto` sizes against what
+a co-located server leaves of the GPU (device memory mocked: no GPU needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import train
+from specforge_dspark.config.recipe import load_recipe
+from specforge_dspark.drafters.registry import new_draft
+from specforge_dspark.training import memory
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_SGLANG = str(REPO / "recipes" / "tiny_cpu_sglang.yaml")
+HERE = f"target.sglang.python={sys.executable}"  # the trainer's venv: sglang, no torchvision
+
+
+def test_dry_run_has_sglang_parse_the_server_args_and_names_a_bad_key(capsys):
+    assert train.main(["--recipe", TINY_SGLANG, "--dry-run", HERE]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("server_args: SGLang 0.5.23: parsed")
+    bad = "target.sglang.server_args.no_such_option=1"
+    assert train.main(["--recipe", TINY_SGLANG, "--dry-run", HERE, bad]) == 2
+    err = capsys.readouterr().err
+    assert "error: target.sglang.server_args.no_such_option: SGLang refuses" in err
+    assert "unrecognized arguments: --no-such-option 1" in err and "Traceback" not in err
+
+
+def test_dry_run_names_a_server_arg_the_backend_sets_without_starting_sglang(capsys):
+    assert train.main(["--recipe", TINY_SGLANG, "--dry-run", "target.sglang.server_args.port=1"])
+    assert "target.sglang.server_args.port is set by target.sglang.port" in capsys.readouterr().err
+
+
+def test_hf_recipes_have_no_server_args_to_check(capsys):
+    assert train.main(["--recipe", str(REPO / "recipes" / "tiny_cpu.yaml"), "--dry-run"]) == 0
+    assert "server_args" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "engine, bad, said",
+    [
+        ("sglang", "tp_size=two", "target.sglang.server_args.tp_size: SGLang refuses"),
+        ("vllm", "no_such_option=1", "target.vllm.server_args.no_such_option: vLLM refuses"),
+    ],
+)
+def test_dry_run_checks_in_the_engines_own_venv(engine, bad, said, capsys):
+    """In .venv-sglang SGLang also resolves the arguments (its model-independent hooks)."""
+    python = REPO / f".venv-{engine}" / "bin" / "python"
+    if not python.is_file():
+        pytest.skip(f"no {python} (make {engine}-venv)")
+    argv = ["--recipe", TINY_SGLANG, "--dry-run", f"target.backend={engine}"]
+    argv.append(f"target.{engine}.python={python}")
+    assert train.main(argv) == 0
+    done = "parsed and resolved" if engine == "sglang" else "parsed and validated"
+    assert done in capsys.readouterr().out
+    assert train.main([*argv, f"target.{engine}.server_args.{bad}"]) == 2
+    assert said in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- recompute
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A fake CUDA device of `gpu.total` bytes."""
+    fake = SimpleNamespace(total=80 * 10**9)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=fake.total)
+    )
+    return fake
+
+
+def _served(backend: str, **server_args):
+    r = load_recipe(REPO / "recipes" / "tiny_cpu_sglang.yaml", [f"target.backend={backend}"])
+    r.target.device = "cuda"
+    getattr(r.target, backend).server_args = server_args
+    return r
+
+
+def test_a_co_located_server_leaves_the_trainer_its_complement(gpu):
+    r = _served("sglang", mem_fraction_static=0.55)
+    left, what = memory.available_bytes("cuda", r)
+    assert left == pytest.approx(0.45 * gpu.total)
+    assert "target.sglang.server_args.mem_fraction_static 0.55" in what
+    vllm = _served("vllm")  # vLLM's default gpu_memory_utilization
+    assert memory.available_bytes("cuda", vllm)[0] == pytest.approx(0.08 * gpu.total, rel=1e-6)
+    r.target.sglang.url = "http://elsewhere:30000"  # an attached server is not on this GPU
+    assert memory.available_bytes("cuda", r) == (gpu.total, "")
+    assert memory.available_bytes("cuda", load_recipe(REPO / "recipes" / "tiny_cpu.yaml"))[0]
+    unset = _served("sglang")  # SGLang sizes its share from the GPU: unknown here
+    assert memory.available_bytes("cuda", unset)[0] is None
+    assert (
+        "set target.sglang.server_args.mem_fraction_static"
+        in memory.available_bytes("cuda", unset)[1]
+    )
+
+
+def test_recompute_auto_is_decided_against_what_the_server_leaves(gpu):
+    alone = _served("sglang", mem_fraction_static=0.55)
+    alone.objective.recompute = "auto"
+    with torch.device("meta"):
+        draft = new_draft(alone.draft)
+    n = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    need = memory.total_bytes(memory.estimate(alone, n, 1, recompute=False))
+    gpu.total = int(need / memory.FIT_FRACTION * 1.5)  # fits the whole GPU, not 45% of it
+    said = []
+    shared = memory.resolve_recompute(alone, draft, 1, "cuda", say=said.append)
+    assert shared.objective.recompute == "on"
+    assert "available (left of the GPU's" in said[0] and "mem_fraction_static 0.55" in said[0]
+    attached = dataclasses.replace(alone.target.sglang, url="http://127.0.0.1:30000")
+    alone = dataclasses.replace(alone, target=dataclasses.replace(alone.target, sglang=attached))
+    assert (
+        memory.resolve_recompute(alone, draft, 1, "cuda", say=said.append).objective.recompute
+        == "off"
+    )
+    lines = memory.dry_run_summary(_served("sglang", mem_fraction_static=0.55))
+    assert any("by the co-located server" in line for line in lines if "recompute" in line)
