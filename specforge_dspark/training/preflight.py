@@ -49,6 +49,7 @@ from specforge_dspark.engines.features import (
     read_target_config,
     tap_convention,
 )
+from specforge_dspark.engines.slot_budget import request_budget
 from specforge_dspark.training.preflight_checks import (
     NEW_TOKENS,
     REFERENCE_MAX_BYTES,
@@ -123,13 +124,16 @@ def preflight(
         if greedy
         else [_as_sample(rows[i]) for i in range(min(samples, len(rows)))]
     )
+    budget = request_budget(recipe)
+    together = _fitting(chosen, budget)
     plan = (
         split_plan(max(chosen, key=lambda s: len(s.input_ids)), server_chunk(url)) if url else None
     )
-    batches = [[s] for s in chosen] + [chosen] + ([[plan[0]], plan[1]] if plan else [])
+    plan_fits = plan is not None and not budget.refusal([len(s.input_ids) for s in plan[1]])
+    batches = [[s] for s in chosen] + [together] + ([[plan[0]], plan[1]] if plan_fits else [])
     feats = [_clone(f) for f in stream.iterate(batches)]
     stream.wait_seconds, stream.bytes_out = counters
-    alone, together = feats[: len(chosen)], feats[len(chosen)]
+    alone, together_f = feats[: len(chosen)], feats[len(chosen)]
     expected = tap_convention(read_target_config(t.path))
     checks = shape_checks(recipe, feats, expected, _recorded_tap(recipe, stream.engine, expected))
     if greedy:
@@ -139,14 +143,23 @@ def preflight(
             Check(n, None, "n/a (no ground truth: no reference)")
             for n in ("greedy argmax", "greedy logprob")
         ]
-    checks.append(batch_check(alone, together, RELATIVE_TOL[dtype]))
-    if plan:
+    if len(together) > 1:
+        checks.append(batch_check(alone[: len(together)], together_f, RELATIVE_TOL[dtype]))
+    else:
+        checks.append(Check("batch", None, f"n/a (two rows exceed one request: {budget.keys})"))
+    if plan_fits:
         checks.append(split_check(feats[-2], feats[-1], RELATIVE_TOL[dtype]))
     else:
-        why = "the engine prefills whole" if url is None else "chunked_prefill_size <= 0"
+        why = (
+            "the engine prefills whole"
+            if url is None
+            else "chunked_prefill_size <= 0"
+            if plan is None
+            else f"the split request exceeds one request: {budget.keys}"
+        )
         checks.append(Check("split prefill", None, f"n/a ({why})"))
     if ref is not None:
-        hidden = together.last_hidden.shape[-1]
+        hidden = together_f.last_hidden.shape[-1]
         ref_feats = [ref.forward(_batch(s), hidden) for s in chosen]
         checks += reference_checks(
             list(recipe.draft.target_layer_ids), alone, ref_feats, RELATIVE_TOL[dtype]
@@ -170,6 +183,16 @@ def preflight_run(run, stream) -> None:
     if n:
         say = print if run.rank == 0 else None
         preflight(run.recipe, stream, run.dataset, run.head, n, log=say)
+
+
+def _fitting(chosen: list[Sample], budget) -> list[Sample]:
+    """The longest prefix of `chosen` that one request of the run can hold (the slot
+    budget, slot_budget.py): the batch check never asks for a bigger slot than training."""
+    lengths = [len(s.input_ids) for s in chosen]
+    k = len(chosen)
+    while k > 1 and budget.refusal(lengths[:k]):
+        k -= 1
+    return chosen[:k]
 
 
 def _as_sample(row: Any) -> Sample:

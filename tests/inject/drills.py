@@ -100,7 +100,7 @@ def _patch_checkpoint(ckpt) -> None:
     """Kill while saving (wraps the file writer), limit file sizes (wraps `save`)."""
     if os.environ.get(KILL):
         step_name = f"step-{int(os.environ[KILL])}"
-        write = ckpt._atomic_write
+        write = ckpt.atomic_write
 
         def write_then_die(path: Path, data: bytes) -> None:
             write(path, data)
@@ -108,7 +108,7 @@ def _patch_checkpoint(ckpt) -> None:
                 report(f"rank {_rank()}: SIGKILL while saving {step_name}, before its marker")
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        ckpt._atomic_write = write_then_die
+        ckpt.atomic_write = write_then_die
     m = re.match(r"^(\d+):(\d+)(@(\d+))?$", os.environ.get(FSIZE, ""))
     if os.environ.get(FSIZE) and m is None:
         raise ValueError(f"{FSIZE}: cannot parse {os.environ[FSIZE]!r} (N:BYTES[@RANK])")
