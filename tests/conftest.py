@@ -110,10 +110,12 @@ def calibrated_inkling_run(tmp_path_factory, tiny_target_dir) -> Path:
 @pytest.fixture(scope="session")
 def inkling_server(tiny_target_dir, tmp_path_factory):
     """One live CPU SGLang server running SGLang's own Inkling for the tiny Inkling
-    target (its SGLang layout, Triton's interpreter), shared by the session's tests."""
+    target (its SGLang layout, Triton's interpreter) at tensor-parallel size 2, the
+    production topology's TP > 1, shared by the session's tests. Inkling at TP 1 is what
+    the DSPARK and DFLASH judges serve (test_sglang_inkling.py, test_serve_dflash.py)."""
     from tests.live_sglang import LiveServer
 
-    with LiveServer(tiny_target_dir, tmp_path_factory.mktemp("inkling")) as server:
+    with LiveServer(tiny_target_dir, tmp_path_factory.mktemp("inkling"), tp_size=2) as server:
         yield server
 
 

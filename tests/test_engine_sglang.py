@@ -11,6 +11,7 @@ offsets, a split prefill as one call per chunk (middle chunks with store=False).
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -250,15 +251,14 @@ def test_unreachable_server_fails_at_start_up(tiny_target_dir):
 
 def test_a_server_interpreter_without_sglang_or_our_plugin_is_named(tmp_path):
     """The server's environment is checked before it starts (target.sglang.python)."""
-    import shutil
-
     from specforge_dspark.engines.server import engine_python
     from specforge_dspark.engines.sglang import ServerProcess
 
     key = "target.sglang.python"
     with pytest.raises(ValueError, match=rf"{key}: no Python interpreter at nowhere/python"):
         ServerProcess("nowhere/python", [], tmp_path / "log")
-    bare = shutil.which("python3")  # the machine's own Python: no sglang there
+    # the base interpreter under our venv: none of the venv's packages (sglang among them)
+    bare = str(Path(sys.base_prefix) / "bin" / "python3")
     with pytest.raises(ValueError, match=rf"{key}: .* cannot import sglang \(run `make sglang"):
         ServerProcess(bare, [], tmp_path / "log")
     with pytest.raises(ValueError, match=r"our plugin is not registered in .* --no-deps -e \."):

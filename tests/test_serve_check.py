@@ -1,5 +1,6 @@
 """SGLang itself serves a drafter trained here (DSPARK speculative decoding on its CPU
-engine, fp32) and agrees with our harness on every prompt: tokens, verify steps,
+engine, fp32; at tensor-parallel size 2 in static verify mode, at TP 1 with the confidence
+budget) and agrees with our harness on every prompt: tokens, verify steps,
 accepted-draft histograms and accept length. A disagreement is reported with the
 prompt, the verify step and both token streams."""
 
@@ -37,7 +38,7 @@ def calibrated_export(trained_export, tiny_qwen3_dir, tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_sglang_serves_our_export_as_our_harness_decodes_it(
+def test_sglang_at_tp2_serves_our_export_as_our_harness_decodes_it(
     calibrated_export, tiny_qwen3_dir, tmp_path
 ):
     trained_export = calibrated_export
@@ -50,8 +51,10 @@ def test_sglang_serves_our_export_as_our_harness_decodes_it(
         out_dir=tmp_path,
         port=free_port(),
         log=lambda *a: None,
+        tp_size=2,  # the production topology's TP > 1 (two CPU-engine ranks, gloo)
     )
     saved = json.loads((tmp_path / "serve_check.json").read_text())
+    assert saved["tp_size"] == 2 and "TP1]" in (tmp_path / "sglang_server.log").read_text()
     assert saved["agree"] is True, [explain(r) for r in saved["prompts"] if not r["agree"]]
     # SGLang's default static verify mode builds no confidence head and ignores the file
     assert saved["sts_path"] and saved["sts_loaded"] is False

@@ -9,21 +9,19 @@ engines/cpu/sglang_tp.py and per-rank cores from SGLANG_CPU_OMP_THREADS_BIND.
 
 One TP=2 server of the tiny Qwen3 target: its features equal the hf backend's with
 requests of two and three sequences, both ranks writing; 20 training steps at micro-batch
-2 attached to it give the hf backend's losses; and SGLang's DSPARK speculative decoding
-at TP 2 serves a trained export exactly as our harness decodes it.
+2 attached to it give the hf backend's losses. Elsewhere at TP 2: SGLang's own Inkling
+(the session's `inkling_server`, test_sglang_inkling.py: features and training steps) and
+SGLang's DSPARK speculative decoding serving a trained export exactly as our harness
+decodes it (test_serve_check.py).
 """
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from evaluation.serve_check import explain, serve_check
 from specforge_dspark.engines import sglang as sglang_engine
 from specforge_dspark.engines.sglang_plugin import writer_rank
-from tests.live_sglang import LiveServer, free_port, tiny_sglang_recipe
-from tests.test_sglang_inkling import _live_recipe as _inkling_recipe
+from tests.live_sglang import LiveServer, tiny_sglang_recipe
 from tests.test_sglang_live import _batches, _collect, _hf_recipe, _losses, _max_diff, _train
 
 STEPS = 20
@@ -60,20 +58,6 @@ def test_tp2_features_equal_the_hf_backend_and_both_ranks_write(
 
 
 @pytest.mark.slow
-def test_tp2_inkling_features_equal_the_hf_backend(tiny_target_dir, tmp_path):
-    """SGLang's own Inkling (Triton's interpreter) shards at TP 2: 4 heads over 2 KV heads,
-    4 experts, 1088 LM-head rows. Prefill features only (what training reads)."""
-    with LiveServer(tiny_target_dir, tmp_path, tp_size=2) as server:
-        batches = _batches([[37, 5], [61, 32], [20, 9, 14]])  # short: Inkling prefills slowly
-        live = _collect(_inkling_recipe(tiny_target_dir, server.url), batches)
-        assert "TP1]" in server.log_path.read_text()
-    ref = _collect(_hf_recipe(tiny_target_dir), batches)
-    diff = _max_diff(live, ref)
-    print(f"TP 2 SGLang Inkling vs hf: max abs diff {diff:.3g}")
-    assert diff <= 1e-5
-
-
-@pytest.mark.slow
 def test_twenty_steps_at_tp2_match_the_hf_backend(tp2_server, tmp_path):
     extra = (f"train.max_steps={STEPS}", "train.micro_batch_size=2", "target.prefetch=3")
     hf = _train(tmp_path / "hf", "hf", "--resume", "none", *extra)
@@ -85,27 +69,3 @@ def test_twenty_steps_at_tp2_match_the_hf_backend(tp2_server, tmp_path):
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-5), f"step {step}"
-
-
-@pytest.mark.slow
-def test_sglang_dspark_at_tp2_serves_our_export_as_our_harness_decodes_it(
-    trained_export, tiny_qwen3_dir, tmp_path
-):
-    report = serve_check(
-        tiny_qwen3_dir,
-        trained_export,
-        ["gsm8k"],
-        num_prompts=3,
-        max_new_tokens=32,
-        out_dir=tmp_path,
-        port=free_port(),
-        log=lambda *a: None,
-        tp_size=2,
-    )
-    saved = json.loads((tmp_path / "serve_check.json").read_text())
-    assert saved["tp_size"] == 2 and saved["num_prompts"] == 3
-    assert saved["agree"] is True, [explain(r) for r in saved["prompts"] if not r["agree"]]
-    assert saved["sglang_accept_length"] == pytest.approx(saved["harness_accept_length"])
-    log = (tmp_path / "sglang_server.log").read_text()
-    assert "TP1]" in log, "the judge did not run two TP ranks"
-    print(f"DSPARK at TP 2: accept length {report['sglang_accept_length']:.3f} on 3 prompts")
