@@ -44,6 +44,7 @@ def test_hf_recipes_have_no_server_args_to_check(capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.server  # the engines' own venvs (make test installs them)
 @pytest.mark.parametrize(
     "engine, bad, said",
     [
@@ -54,8 +55,7 @@ def test_hf_recipes_have_no_server_args_to_check(capsys):
 def test_dry_run_checks_in_the_engines_own_venv(engine, bad, said, capsys):
     """In .venv-sglang SGLang also resolves the arguments (its model-independent hooks)."""
     python = REPO / f".venv-{engine}" / "bin" / "python"
-    if not python.is_file():
-        pytest.skip(f"no {python} (make {engine}-venv)")
+    assert python.is_file(), f"no {python}: run `make {engine}-venv` (make test does)"
     argv = ["--recipe", TINY_SGLANG, "--dry-run", f"target.backend={engine}"]
     argv.append(f"target.{engine}.python={python}")
     assert train.main(argv) == 0
