@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:  # anything else: recorded, never called resumable
         status.end("failed", f"{type(e).__name__}: {e}", error=type(e).__name__)
         raise
+    finally:  # the target (started by build) stops on every path
+        if run is not None:
+            run.stream.close()
     if stopped:  # state saved; not a finished run, so not exit status 0
         print(f"{where}stopped early ({stopped}); continue with --resume auto", file=sys.stderr)
         status.end("stopped", stopped)
@@ -174,7 +177,6 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
     from specforge_dspark.training.nonfinite import NonFiniteError, NonFiniteGuard
     from specforge_dspark.training.preflight import preflight_run
     from specforge_dspark.training.served_eval import build_served_eval
-    from specforge_dspark.training.stream import FeatureStream
     from specforge_dspark.training.tracking import StepWindow
 
     r, state, eng = run.recipe, run.state, run.engine
@@ -185,7 +187,7 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
     stop = StopRequest()  # SIGTERM / SIGINT / launcher death: save at the next step, exit
     watch_launcher(stop)
     stopped: str | None = None
-    stream = FeatureStream(r, rank=run.rank, world_size=run.world)
+    stream = run.stream  # started by build (training/build.py)
     guard = NonFiniteGuard(r, run.rank, run.device, state.step)
     served = build_served_eval(r, run.rank, run.world, run.device)  # None unless asked
     with stream:

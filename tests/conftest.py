@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,10 @@ os.environ.setdefault("HF_HOME", str(REPO / ".cache" / "hf"))
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
 os.environ.setdefault("VLLM_CACHE_ROOT", str(REPO / ".cache" / "vllm"))
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+# The venvs install without bytecode (pip --no-compile); a sandbox that forbids writing it
+# makes every launched process compile torch and the engines from source again.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 
 SERVER_FIXTURES = {

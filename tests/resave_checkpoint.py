@@ -20,6 +20,7 @@ def main(argv: list[str]) -> int:
     recipe = load_recipe(recipe_path, [*overrides, f"train.output_dir={out}"])
     run = train.build(recipe, ckpt)
     checkpoint.save(run.engine, run.dirs["checkpoint"], run.state, run.recipe, 1, run.fingerprint)
+    run.stream.close()  # build started the target; nothing here asks it for features
     return 0
 
 

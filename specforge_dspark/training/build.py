@@ -1,6 +1,7 @@
 """Build a run: distributed init, the prepared data (packed or not), the frozen target
-head, the draft under DeepSpeed, and the state restored from a checkpoint (train.py's
-`build`; the loop itself is train.py's `train`)."""
+head, the feature stream (its target starting while DeepSpeed builds the draft's
+engine), and the state restored from a checkpoint (train.py's `build`; the loop itself
+is train.py's `train`)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,10 @@ class Run:
     """data.pack: sample_id -> its packed sequence."""
     status: object = None
     """This rank's RunStatus writer (run_status.py): rank 0 beats its heartbeat."""
+    stream: object = None
+    """This rank's FeatureStream (training/stream.py), started before DeepSpeed builds the
+    engine so that the target's start-up overlaps it; `train` waits until it is ready.
+    The caller closes it (idempotent) on every exit path."""
 
     @property
     def units(self) -> int:
@@ -48,19 +53,17 @@ class Run:
 def build(recipe: Recipe, resume: str | None, status=None) -> Run:
     """`status` (training/run_status.py RunStatus): written `running` once this job holds
     the run lock."""
-    import deepspeed
-
     from data_pipelines.prepare import prepare_dataset
     from specforge_dspark.drafters.dspark import DSparkDraft
     from specforge_dspark.drafters.registry import new_draft
     from specforge_dspark.objective.frozen_head import load_frozen_head
     from specforge_dspark.training import checkpoint
-    from specforge_dspark.training.data_order import restore_cursor, samples_left
-    from specforge_dspark.training.distributed import deepspeed_config, init_distributed, lr_lambda
+    from specforge_dspark.training.distributed import init_distributed
     from specforge_dspark.training.fingerprint import data_fingerprint, features_fingerprint
     from specforge_dspark.training.lifecycle import acquire_run_lock
     from specforge_dspark.training.memory import resolve_recompute
     from specforge_dspark.training.packing import describe_plan, pack_index, pack_plan, row_lengths
+    from specforge_dspark.training.stream import FeatureStream
 
     rank, world, device = init_distributed(recipe)
     dirs = resolved_dirs(recipe)
@@ -129,39 +132,16 @@ def build(recipe: Recipe, resume: str | None, status=None) -> Run:
     check_head_matches(recipe, head)
     say = (lambda *a: None) if rank else print
     recipe = resolve_recompute(recipe, draft, world, device, say=say)  # auto -> on / off
-    o = recipe.optim
-    opt = torch.optim.AdamW(
-        draft.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe, total))
-    engine, _, _, _ = deepspeed.initialize(
-        model=draft.to(device),
-        optimizer=opt,
-        lr_scheduler=sched,
-        config=deepspeed_config(recipe, device, grad_accum),
-    )
-    warn_if_no_skip(engine, recipe, rank)
-    state = checkpoint.TrainState(epoch_samples=0, grad_accum=grad_accum)
-    if resume_path is not None:
-        state = checkpoint.load(engine, resume_path, recipe, fingerprint)
-        state.grad_accum = grad_accum
-        restore_cursor(state, units, layout.saved_world, world, t.micro_batch_size)
-        left = samples_left(state, units, world, t.micro_batch_size)
-        said = layout.describe(state.epoch, left, units, t.grad_accum)
-        if rank == 0:
-            print(f"resumed from {resume_path} at step {state.step}", flush=True)
-        if rank == 0 and said:  # what was re-partitioned, or why grad_accum differs
-            print(said, flush=True)
-    return Run(
+    run = Run(
         recipe,
         rank,
         world,
         device,
-        engine,
+        None,
         head,
         dataset,
         eval_set,
-        state,
+        None,
         micro_per_epoch,
         total,
         dirs,
@@ -171,6 +151,47 @@ def build(recipe: Recipe, resume: str | None, status=None) -> Run:
         pack_of,
         status,
     )
+    run.stream = FeatureStream(recipe, rank=rank, world_size=world)  # the target starts now
+    try:  # ... while DeepSpeed builds the engine and the checkpoint loads
+        run.engine, run.state = engine_and_state(run, draft, resume_path, layout, grad_accum)
+    except BaseException:
+        run.stream.close()
+        raise
+    return run
+
+
+def engine_and_state(run: Run, draft, resume_path, layout, grad_accum: int):
+    """The draft under DeepSpeed, and the training state (fresh, or restored)."""
+    import deepspeed
+
+    from specforge_dspark.training import checkpoint
+    from specforge_dspark.training.data_order import restore_cursor, samples_left
+    from specforge_dspark.training.distributed import deepspeed_config, lr_lambda
+
+    recipe, rank, t, o = run.recipe, run.rank, run.recipe.train, run.recipe.optim
+    opt = torch.optim.AdamW(
+        draft.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe, run.total_steps))
+    engine, _, _, _ = deepspeed.initialize(
+        model=draft.to(run.device),
+        optimizer=opt,
+        lr_scheduler=sched,
+        config=deepspeed_config(recipe, run.device, grad_accum),
+    )
+    warn_if_no_skip(engine, recipe, rank)
+    state = checkpoint.TrainState(epoch_samples=0, grad_accum=grad_accum)
+    if resume_path is not None:
+        state = checkpoint.load(engine, resume_path, recipe, run.fingerprint)
+        state.grad_accum = grad_accum
+        restore_cursor(state, run.units, layout.saved_world, run.world, t.micro_batch_size)
+        left = samples_left(state, run.units, run.world, t.micro_batch_size)
+        said = layout.describe(state.epoch, left, run.units, t.grad_accum)
+        if rank == 0:
+            print(f"resumed from {resume_path} at step {state.step}", flush=True)
+        if rank == 0 and said:  # what was re-partitioned, or why grad_accum differs
+            print(said, flush=True)
+    return engine, state
 
 
 def warn_if_no_skip(engine, recipe: Recipe, rank: int) -> None:
