@@ -38,7 +38,7 @@ from specforge_dspark.decoding.hf_target import HFTarget
 from specforge_dspark.decoding.loading import DTYPES, check_pair, head_fns, load_drafter
 from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
 from specforge_dspark.decoding.spec_decode import Generation, speculative_generate
-from specforge_dspark.drafters.registry import kind_of_dir
+from specforge_dspark.drafters.registry import KINDS, kind_of_dir
 from specforge_dspark.engines.inkling_layout import needs_radix_cache, sglang_layout
 from specforge_dspark.engines.server import cli_flag
 from specforge_dspark.engines.sglang import ServerProcess, cpu_engine_args
@@ -48,8 +48,6 @@ START_TIMEOUT_S = 600.0
 
 
 STS_LOADED = "DSpark STS calibration loaded from"  # SGLang's log line (dspark_planner.py)
-ALGORITHMS = {"dspark": "DSPARK", "dflash": "DFLASH"}
-"""SGLang's --speculative-algorithm for each drafter kind."""
 
 
 def server_args(
@@ -65,7 +63,7 @@ def server_args(
     confidence calibration `sts` when given) at tensor-parallel size `tp_size`."""
     served = sglang_layout(target, log=lambda *a: None)  # a transformers Inkling: converted
     args = ["--model-path", str(served), "--port", str(port), "--host", "127.0.0.1"]
-    algorithm = ALGORITHMS[kind_of_dir(draft)]
+    algorithm = KINDS[kind_of_dir(draft)].algorithm
     args += ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", str(draft)]
     if sts is not None:
         args += ["--speculative-dspark-confidence-sts-path", str(sts)]
@@ -213,7 +211,7 @@ def serve_check(
     rows: list[dict] = []
     try:
         start_s = wait_healthy(server, url)
-        log(f"SGLang {ALGORITHMS[kind_of_dir(draft)]} server ready in {start_s:.0f}s ({url})")
+        log(f"SGLang {KINDS[kind_of_dir(draft)].algorithm} server ready in {start_s:.0f}s ({url})")
         for spec in workloads:
             workload = parse_workload(spec)
             for conv in load_conversations(workload, num_prompts):

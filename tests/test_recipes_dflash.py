@@ -20,6 +20,7 @@ from specforge_dspark.export.speculators import speculators_config
 REPO = Path(__file__).resolve().parents[1]
 COUNTS = {  # trainable parameters, also printed by `train.py --dry-run` and in the README
     "inkling_nvfp4_dflash": 1_635_852_928,
+    "inkling_nvfp4_dflash2": 1_661_977_216,
     "inkling_small_nvfp4": 1_361_278_721,
     "tiny_cpu_dflash": 344_960,
     "tiny_cpu_small": 414_753,
@@ -38,8 +39,17 @@ def test_recipe_loads_builds_on_meta_and_counts(name, capsys):
     assert f"trainable_params: {COUNTS[name]}" in printed
     for line in ("frozen head", "draft weights", "optimizer state", "activations"):
         assert line in printed
-    if recipe.draft.kind == "dflash":
+    if recipe.draft.kind != "dspark":
         assert set(draft.config.layer_types) == {"sliding_attention"}
+
+
+def test_dflash2_production_is_dflash_production_plus_its_selector():
+    d = load_recipe(REPO / "recipes/inkling_nvfp4_dflash2.yaml").draft
+    selector = 2 * d.vocab_size * d.selector_rank + d.hidden_size * d.selector_rank
+    assert COUNTS["inkling_nvfp4_dflash2"] - selector == COUNTS["inkling_nvfp4_dflash"]
+    dflash = load_recipe(REPO / "recipes/inkling_nvfp4_dflash.yaml").draft
+    same = {"kind": "dflash", "selector_rank": 0, "selector_top_k": 0}
+    assert {**vars(d), **same} == {**vars(dflash), **same}
 
 
 def test_dflash_production_is_dspark_production_without_its_heads():
@@ -57,8 +67,10 @@ def test_recipe_checks_for_dflash():
         load_recipe(path, ["objective.bce_weight=1.0"])
     with pytest.raises(RecipeError, match="sliding_window"):
         load_recipe(path, ["draft.sliding_window=8"])
-    with pytest.raises(RecipeError, match="draft.kind: dflash"):
+    with pytest.raises(RecipeError, match="draft.kind: dflash or dflash2"):
         load_recipe(path, ["draft.kind=dspark", "objective.bce_weight=1.0"])
+    with pytest.raises(RecipeError, match="draft.selector_top_k"):
+        load_recipe(path, ["draft.kind=dflash2", "draft.selector_top_k=0"])
 
 
 PUBLISHED_SMALL = {  # the Inkling-Small-NVFP4 DSpark drafter (issue 14)

@@ -1,8 +1,10 @@
-"""SGLang's own DFLASH judges our DFlash export: a DFlash drafter (block 16, sliding-window
-layers, recipes/tiny_cpu_dflash.yaml) trained here against the tiny Inkling target is
-served by SGLang's `--speculative-algorithm DFLASH` on its CPU engine with SGLang's own
-Inkling, and agrees with our harness's DFlash decode on every prompt: tokens, verify
-counts, accepted-draft histograms and accept lengths.
+"""SGLang's own DFLASH judges our DFlash and DFlash2 exports: a DFlash drafter (block 16,
+sliding-window layers, recipes/tiny_cpu_dflash.yaml), and the same with DFlash2's
+candidate selector (`draft.kind=dflash2`), trained here against the tiny Inkling target
+are served by SGLang's `--speculative-algorithm DFLASH` on its CPU engine with SGLang's
+own Inkling, and agree with our harness's decode on every prompt: tokens, verify counts,
+accepted-draft histograms and accept lengths. The tiny Inkling's muP multiplier is 4, so
+the DFlash2 judge also checks the exported `output_multiplier` (drafters/dflash2.py).
 
 The drafter is trained briefly on the target's own greedy answers to the very prompts it
 is then served (2 GSM8K test prompts): a judge test needs many accepted drafts, short
@@ -39,11 +41,12 @@ def _run(cmd: list[str], timeout: int) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-@pytest.fixture(scope="module")
-def dflash_export(tiny_target_dir, tmp_path_factory) -> Path:
-    """A DFlash drafter trained STEPS steps (one rank, hf backend) on the tiny target's
-    greedy answers to the first PROMPTS GSM8K test prompts; its SGLang DFLASH export."""
-    out = tmp_path_factory.mktemp("served_dflash")
+@pytest.fixture(scope="module", params=["dflash", "dflash2"])
+def dflash_export(request, tiny_target_dir, tmp_path_factory) -> Path:
+    """A DFlash (or DFlash2: the same backbone plus its selector) drafter trained STEPS
+    steps (one rank, hf backend) on the tiny target's greedy answers to the first PROMPTS
+    GSM8K test prompts; its SGLang DFLASH export."""
+    out = tmp_path_factory.mktemp(f"served_{request.param}")
     data = out / "regenerated.jsonl"
     _run([
         sys.executable, "-m", "data_pipelines.regenerate", "--recipe",
@@ -60,15 +63,17 @@ def dflash_export(tiny_target_dir, tmp_path_factory) -> Path:
         "data.format=messages", "data.eval_files=[]", f"data.max_rows={PROMPTS}",
         "data.max_length=160", "objective.num_anchors=16", "optim.lr=0.005",
         "tracking.enabled=false", "train.preflight_samples=0", "export.formats=[sglang]",
+        f"draft.kind={request.param}",
     ], timeout=600)  # fmt: skip
     return out / "export" / "sglang"
 
 
 @pytest.mark.slow
 def test_sglang_dflash_serves_our_dflash_export_as_our_harness_decodes_it(
-    dflash_export, tiny_target_dir, tmp_path
+    request, dflash_export, tiny_target_dir, tmp_path
 ):
     from evaluation.serve_check import explain, serve_check
+    from specforge_dspark.drafters.registry import KINDS
 
     report = serve_check(
         tiny_target_dir, dflash_export, ["gsm8k"], num_prompts=PROMPTS,
@@ -77,6 +82,9 @@ def test_sglang_dflash_serves_our_dflash_export_as_our_harness_decodes_it(
     saved = json.loads((tmp_path / "serve_check.json").read_text())
     server_log = (tmp_path / "sglang_server.log").read_text(errors="replace")
     assert "'speculative_algorithm': 'DFLASH'" in server_log  # chosen from the export's config
+    kind = request.node.callspec.params["dflash_export"]
+    architecture = json.loads((dflash_export / "config.json").read_text())["architectures"]
+    assert architecture == [KINDS[kind].architecture]  # DFlashDraftModel / DFlash2DraftModel
     assert saved["agree"] is True, [explain(r) for r in saved["prompts"] if not r["agree"]]
     assert saved["num_prompts"] == PROMPTS
     assert saved["sglang_accept_length"] == pytest.approx(saved["harness_accept_length"])

@@ -54,10 +54,11 @@ class TargetRecipe:
 class DraftRecipe:
     """The draft network; names follow the SGLang DSpark / DFlash config.json."""
 
-    kind: Literal["dspark", "dflash"] = "dspark"
+    kind: Literal["dspark", "dflash", "dflash2"] = "dspark"
     """dspark: SGLang DSPARK / vLLM speculators (G drafts per block, Markov + confidence
     heads); dflash: SGLang DFLASH (G-1 drafts from rows 1..G-1, no heads; the markov_* and
-    confidence fields are not used)."""
+    confidence fields are not used); dflash2: DFlash plus SGLang's candidate selector
+    (selector_rank, selector_top_k), served by the same DFLASH worker."""
     hidden_size: int = 256
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
@@ -82,6 +83,10 @@ class DraftRecipe:
     """One attention type per draft layer; empty = all full_attention (DSpark: only that)."""
     sliding_window: int = 0
     """Keys a sliding_attention query sees, itself included (HF `sliding_window`)."""
+    selector_rank: int = 32
+    """dflash2: width r of the selector's predecessor / successor codes."""
+    selector_top_k: int = 8
+    """dflash2: candidates K per slot (the target LM head's top-K of the draft hidden)."""
     init_from: str = ""
     """Optional exported drafter directory to start from."""
 
@@ -124,6 +129,8 @@ class ObjectiveRecipe:
     """Blocks per decoder chunk (over context K/V computed once); 0 = all blocks at once."""
     recompute: Literal["auto", "on", "off"] = "auto"
     """on: checkpoint each decoder chunk; off: keep them all; auto: by training/memory.py."""
+    selector_weight: float = 1.0
+    """dflash2: weight of the selector's K-way cross-entropy (objective/selector_loss.py)."""
 
 
 @dataclass

@@ -53,7 +53,9 @@ def validate(r: Recipe) -> list[str]:
     )
     sliding = "sliding_attention" in d.layer_types
     if d.kind == "dspark":
-        need(not sliding, "draft.layer_types: sliding_attention needs draft.kind: dflash")
+        need(
+            not sliding, "draft.layer_types: sliding_attention needs draft.kind: dflash or dflash2"
+        )
     else:
         need(
             not sliding or d.sliding_window >= d.block_size,
@@ -62,8 +64,15 @@ def validate(r: Recipe) -> list[str]:
         )
         need(
             o.bce_weight == 0,
-            "objective.bce_weight must be 0 for draft.kind: dflash (it has no confidence head)",
+            f"objective.bce_weight must be 0 for draft.kind: {d.kind} (it has no confidence head)",
         )
+    if d.kind == "dflash2":
+        need(d.selector_rank > 0, "draft.selector_rank must be > 0 for draft.kind: dflash2")
+        need(
+            0 < d.selector_top_k <= d.vocab_size,
+            f"draft.selector_top_k must be in [1, draft.vocab_size={d.vocab_size}]",
+        )
+        need(o.selector_weight >= 0, "objective.selector_weight must be >= 0")
     need(d.sliding_window >= 0, "draft.sliding_window must be >= 0")
     need(d.rms_norm_eps > 0, "draft.rms_norm_eps must be > 0")
     need(d.rope_theta > 0, "draft.rope_theta must be > 0")

@@ -85,7 +85,7 @@ DFLASH_KEYS = ("block_size", "target_layer_ids", "num_target_layers", "mask_toke
 at the root."""
 
 # dflash_config / root settings SGLang honours that change the math: key -> allowed values.
-_SUPPORTED_VALUES: dict[str, tuple] = {
+SUPPORTED_VALUES: dict[str, tuple] = {
     "conv_kernel_size": (0,),
     "selector_rank": (0,),
     "attention_sink_bias": (False,),
@@ -150,7 +150,7 @@ class DFlashConfig:
         `parse_dflash_draft_config`; defaults as in `io.read_decoder_fields`, block_size 16.
         Settings served with other math raise ValueError."""
         get = config_reader(d, d.get("dflash_config") or {}, root_wins=False)
-        decoder = read_decoder_fields(d, get, _SUPPORTED_VALUES, "DFlashDraft", block_size=16)
+        decoder = read_decoder_fields(d, get, SUPPORTED_VALUES, "DFlashDraft", block_size=16)
         return cls(**decoder, sliding_window=int(d.get("sliding_window") or 0))
 
     def to_dict(self) -> dict[str, Any]:
@@ -281,10 +281,21 @@ class DFlashDraft(nn.Module):
         embed_fn: Callable[[torch.Tensor], torch.Tensor],
         logits_fn: Callable[[torch.Tensor], torch.Tensor],
     ) -> tuple[torch.Tensor, None]:
-        """Greedy drafts of one block as SGLang's DFLASH worker makes them: block
-        [bonus, MASK * (G-1)] at positions ctx_len .. ctx_len+G-1 over context positions
-        0 .. ctx_len-1; draft i (i = 1 .. G-1) = argmax logits_fn(h[i]), the guess for the
+        """Greedy drafts of one block as SGLang's DFLASH worker makes them: draft i
+        (i = 1 .. G-1) = argmax logits_fn(h[i]) of `block_hidden`, the guess for the
         token at ctx_len + i. Returns (G-1 drafts, None)."""
+        h_GH = self.block_hidden(ctx_1SH, ctx_len, bonus_token, embed_fn)
+        return logits_fn(h_GH[1:]).argmax(-1), None
+
+    def block_hidden(
+        self,
+        ctx_1SH: torch.Tensor,
+        ctx_len: int,
+        bonus_token: int | torch.Tensor,
+        embed_fn: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Final-normed hidden rows `[G, H]` of the block [bonus, MASK * (G-1)] at
+        positions ctx_len .. ctx_len+G-1 over context positions 0 .. ctx_len-1."""
         G, device = self.config.block_size, ctx_1SH.device
         ids_G = torch.full((G,), self.config.mask_token_id, device=device)
         ids_G[0] = torch.as_tensor(bonus_token, device=device).reshape(())
@@ -293,14 +304,13 @@ class DFlashDraft(nn.Module):
             torch.ones(1, 1, dtype=torch.bool, device=device),
             torch.ones(1, ctx_len, dtype=torch.bool, device=device),
         )
-        h_GH = self(
+        return self(
             ctx_1SH[:, :ctx_len],
             torch.arange(ctx_len, device=device)[None],
             embed_fn(ids_G)[None, None],
             (ctx_len + torch.arange(G, device=device))[None, None],
             masks,
         )[0, 0]
-        return logits_fn(h_GH[1:]).argmax(-1), None
 
     # ----------------------------------------------------------------------- files
 
@@ -314,7 +324,11 @@ class DFlashDraft(nn.Module):
     ) -> DFlashDraft:
         """Load a SGLang DFLASH directory; a leading "model." is stripped, rotary caches are
         skipped, any other unknown name or wrong shape raises ValueError naming it."""
-        config = DFlashConfig.from_dict(read_config(path))
+        return cls.load(DFlashConfig, path, dtype, device)
+
+    @classmethod
+    def load(cls, config_cls: type, path: str | Path, dtype: torch.dtype, device: str):
+        """`cls` built from `config_cls.from_dict(config.json)` and loaded (`load_checked`)."""
         with torch.device("meta"):
-            model = cls(config)
+            model = cls(config_cls.from_dict(read_config(path)))
         return load_checked(model, path, ("rotary_emb.",), device, dtype)

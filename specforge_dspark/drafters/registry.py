@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,10 +22,13 @@ from torch import nn
 
 from specforge_dspark.drafters.dflash import ARCHITECTURE as DFLASH_ARCH
 from specforge_dspark.drafters.dflash import DFlashConfig, DFlashDraft
+from specforge_dspark.drafters.dflash2 import ARCHITECTURE as DFLASH2_ARCH
+from specforge_dspark.drafters.dflash2 import DFlash2Config, DFlash2Draft
 from specforge_dspark.drafters.dspark import ARCHITECTURE as DSPARK_ARCH
 from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
 from specforge_dspark.objective.loss import compute_loss
 from specforge_dspark.objective.metrics import LossOutput
+from specforge_dspark.objective.selector_loss import selector_term
 
 if TYPE_CHECKING:
     from specforge_dspark.config.recipe import DraftRecipe
@@ -43,11 +47,20 @@ class DrafterKind:
     position_ids_BS)."""
     architecture: str
     """The config.json `architectures` entry SGLang serves this kind as."""
+    algorithm: str
+    """SGLang's `--speculative-algorithm` that serves it."""
 
 
 KINDS: dict[str, DrafterKind] = {
-    "dspark": DrafterKind(DSparkConfig, DSparkDraft, compute_loss, DSPARK_ARCH),
-    "dflash": DrafterKind(DFlashConfig, DFlashDraft, compute_loss, DFLASH_ARCH),
+    "dspark": DrafterKind(DSparkConfig, DSparkDraft, compute_loss, DSPARK_ARCH, "DSPARK"),
+    "dflash": DrafterKind(DFlashConfig, DFlashDraft, compute_loss, DFLASH_ARCH, "DFLASH"),
+    "dflash2": DrafterKind(
+        DFlash2Config,
+        DFlash2Draft,
+        partial(compute_loss, extra=selector_term),
+        DFLASH2_ARCH,
+        "DFLASH",
+    ),
 }
 DEFAULT_KIND = "dspark"
 """The kind of an exported directory whose `architectures` names no registered kind."""

@@ -18,9 +18,9 @@ def export_checkpoint(
     speculators_vocab: str | None = None,
 ) -> Path:
     """Export a training checkpoint (or an exported SGLang directory) as `fmt`: a DFlash
-    one (recipe `draft.kind: dflash`) with `dflash.export_dflash_checkpoint`, else with
+    or DFlash2 one (recipe `draft.kind`) with `dflash.export_dflash_checkpoint`, else with
     `dspark.export_dspark_checkpoint` (its docstring: defaults taken from the recipe)."""
-    if checkpoint_kind(ckpt_dir) == "dflash":
+    if checkpoint_kind(ckpt_dir) != "dspark":
         return dflash.export_dflash_checkpoint(ckpt_dir, fmt, out_dir, target_path)
     return dspark.export_dspark_checkpoint(
         ckpt_dir, fmt, out_dir, target_path, verifier_name, speculators_vocab

@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 from specforge_dspark.config.recipe import Recipe, recipe_from_dict
-from specforge_dspark.drafters.dflash import ARCHITECTURE as DFLASH_ARCH
 from specforge_dspark.export import ExportError
 from specforge_dspark.training import checkpoint
 
@@ -48,11 +47,13 @@ def is_training_step(path: Path) -> bool:
 
 
 def checkpoint_kind(ckpt_dir: str | Path) -> str:
-    """ "dflash" for a DFlash training checkpoint or SGLang DFLASH export, else "dspark"."""
+    """The drafter kind of a training checkpoint (its recipe) or SGLang export (its
+    `architectures`, drafters/registry.py), "dspark" when neither says."""
+    from specforge_dspark.drafters.registry import kind_of_dir
+
     kind, resolved = resolve_checkpoint(Path(ckpt_dir))
     if kind == "export":
-        config = json.loads((resolved / "config.json").read_text())
-        return "dflash" if DFLASH_ARCH in (config.get("architectures") or []) else "dspark"
+        return kind_of_dir(resolved)
     state_file = resolved / "train_state.json"
     if kind == "training" and state_file.is_file():
         raw = json.loads(state_file.read_text()).get("recipe") or {}

@@ -148,14 +148,21 @@ def load_frozen_head(
             )
     embed = _read(files[embed_name], embed_name, device, dtype)
     head = embed if head_name is None else _read(files[head_name], head_name, device, dtype)
-    mult = config_value(config, "logits_mup_width_multiplier")
     return FrozenHead(
         embed,
         head,
         logical_vocab(root, config, head.shape[0]),
-        1.0 if mult is None else float(mult),
+        mup_multiplier(root),
         config_value(config, "final_logit_softcapping"),
     )
+
+
+def mup_multiplier(target_path: str | Path) -> float:
+    """The target's `logits_mup_width_multiplier` (1 where its config has none)."""
+    mult = config_value(
+        _read_json(Path(target_path) / "config.json"), "logits_mup_width_multiplier"
+    )
+    return 1.0 if mult is None else float(mult)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -27,6 +27,7 @@ Shape legend
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,7 @@ def compute_loss(
     generator: torch.Generator | None = None,
     group: dist.ProcessGroup | None = None,
     position_ids_BS: Tensor | None = None,
+    extra: Callable | None = None,
 ) -> LossOutput:
     """Sample `obj.num_anchors` anchors per sequence (`generator`: a CPU generator), then
     `compute_loss_at`."""
@@ -74,6 +76,7 @@ def compute_loss(
         obj,
         group,
         position_ids_BS,
+        extra,
     )
 
 
@@ -89,6 +92,7 @@ def compute_loss_at(
     obj: ObjectiveRecipe,
     group: dist.ProcessGroup | None = None,
     position_ids_BS: Tensor | None = None,
+    extra: Callable | None = None,
 ) -> LossOutput:
     """Loss and metrics of one micro-step at the given anchors.
 
@@ -104,6 +108,8 @@ def compute_loss_at(
     position_ids_BS: packed rows (training/packing.py): each token's position in its own
     conversation; a block's context then starts at its conversation's first token and its
     rows sit at the conversation's positions. None: one sequence per row.
+    extra: a kind's own term over the drafting rows (selector_loss.selector_term's
+    signature), added to the loss with its metrics; None for DSpark and DFlash.
     """
     cfg = draft.config
     R, G = cfg.block_size, draft.num_drafts
@@ -183,6 +189,21 @@ def compute_loss_at(
     loss, stats_6XG = FusedVocabLoss.apply(plan, h_BNGH.reshape(X, G, -1), *params)
     stats_6BNG = stats_6XG.view(6, B, N, G)
     metrics = pooled_metrics(stats_6BNG, bl, obj, weight_sum, skipped, pooled, group)
+    if extra is not None:
+        term, more = extra(
+            draft,
+            head,
+            h_BNGH.reshape(X, G, -1),
+            plan.teacher_h_XGH,
+            plan.prev_XG,
+            plan.coef_XG,
+            bl.weight_BNG.reshape(X, G),
+            bl.eval_mask_BNG.reshape(X, G),
+            chunk,
+            obj.selector_weight,
+            group if pooled else None,
+        )
+        loss, metrics = loss + term, {**metrics, **more}
     return LossOutput(loss=loss, metrics=metrics)
 
 

@@ -116,11 +116,15 @@ def build(recipe: Recipe, resume: str | None, status=None) -> Run:
 
     head_dtype = torch.bfloat16 if recipe.target.dtype == "bfloat16" else torch.float32
     head = load_frozen_head(recipe.target.path, device=device, dtype=head_dtype)
-    if recipe.draft.init_from and recipe.draft.kind == "dflash":
-        from specforge_dspark.drafters.dflash import DFlashConfig, DFlashDraft
+    if recipe.draft.init_from and recipe.draft.kind != "dspark":  # the DFlash kinds
+        from specforge_dspark.drafters.registry import KINDS
 
-        draft = DFlashDraft.from_pretrained(recipe.draft.init_from)
-        if draft.config != DFlashConfig.from_recipe(recipe.draft):
+        kind = KINDS[recipe.draft.kind]
+        draft = kind.network.from_pretrained(recipe.draft.init_from)
+        want = kind.config.from_recipe(recipe.draft)
+        if hasattr(want, "output_multiplier"):  # written by the exporter, not the recipe
+            want.output_multiplier = draft.config.output_multiplier
+        if draft.config != want:
             raise ValueError(f"draft.init_from {recipe.draft.init_from}: config differs")
     elif recipe.draft.init_from:  # same slot, tap, layer ids, mask and vocab as this run
         from specforge_dspark.export.conventions import check_conventions

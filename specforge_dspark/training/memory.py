@@ -66,7 +66,7 @@ def estimate(
     b_t = 2 if recipe.target.dtype == "bfloat16" else 4
     b_p = compute_bytes(recipe)
     mb, S, N, G = recipe.train.micro_batch_size, recipe.data.max_length, o.num_anchors, d.block_size
-    P = G - 1 if d.kind == "dflash" else G
+    P = G if d.kind == "dspark" else G - 1  # the DFlash kinds draft rows 1..G-1
     X, L = mb * N, d.num_hidden_layers
     C = X if o.chunk_size <= 0 else min(o.chunk_size, X)
     cols = N if o.decode_chunk_size <= 0 else min(max(o.decode_chunk_size // mb, 1), N)
@@ -242,6 +242,8 @@ def dry_run_summary(recipe: Recipe, world: int = 1) -> list[str]:
         if d.kind == "dspark"
         else f"layers {sorted(set(draft.config.layer_types))}, window {d.sliding_window}"
     )
+    if d.kind == "dflash2":
+        heads += f", selector r={d.selector_rank} top-{d.selector_top_k}"
     lines = [f"recipe: {recipe.source}"]
     lines.append(
         f"draft ({d.kind}): {d.num_hidden_layers} layers, hidden {d.hidden_size}, heads "
@@ -251,8 +253,9 @@ def dry_run_summary(recipe: Recipe, world: int = 1) -> list[str]:
     for k, v in groups.items():
         lines.append(f"  {k:<16} {v:>14,d}")
     o = recipe.objective
+    selector = f" + {o.selector_weight} selector CE" if d.kind == "dflash2" else ""
     lines.append(
-        f"objective: {o.ce_weight} CE + {o.l1_weight} L1 + {o.bce_weight} BCE, "
+        f"objective: {o.ce_weight} CE + {o.l1_weight} L1 + {o.bce_weight} BCE{selector}, "
         f"{o.num_anchors} anchors, gamma {o.gamma}, chunk {o.chunk_size}, "
         f"decoder chunk {o.decode_chunk_size}"
     )

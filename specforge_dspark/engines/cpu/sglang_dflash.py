@@ -15,6 +15,9 @@ is a platform answer named after the SGLang line it bridges (found in launch ord
    `ForwardBatch(input_embeds=...)`), and a float32 draft's first linear then refuses
    bf16 input. The CPU engine serves in float32 (where engine and harness are exact):
    the embeddings reach the model in the runner's own dtype, unrounded.
+3. `models/dflash.py` `_radix_topk` (~66-70), the DFlash2 selector's candidate top-K,
+   calls flashinfer's CUDA top-k whenever flashinfer imports (SGLang's venv has it);
+   for CPU tensors it takes SGLang's own fallback branch there, `torch.topk`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 SPECULATIVE_HOOK = "sglang.srt.arg_groups.speculative_hook"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
+DFLASH_MODEL = "sglang.srt.models.dflash"
 
 
 def register(device_gate: Callable) -> None:
@@ -36,6 +40,14 @@ def register(device_gate: Callable) -> None:
     HookRegistry.register(
         f"{MODEL_RUNNER}._extend_forward_kwargs", extend_forward_kwargs, HookType.AROUND
     )
+    HookRegistry.register(f"{DFLASH_MODEL}._radix_topk", radix_topk, HookType.AROUND)
+
+
+def radix_topk(original, scores: torch.Tensor, k: int):
+    """Bridge 3: `torch.topk` (SGLang's fallback) for CPU tensors, flashinfer's otherwise."""
+    if scores.is_cuda:
+        return original(scores, k)
+    return torch.topk(scores, k, dim=-1)
 
 
 def extend_forward_kwargs(original, self, forward_batch, pp_proxy_tensors) -> dict:

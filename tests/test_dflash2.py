@@ -1,0 +1,191 @@
+"""DFlash2 drafter: its greedy drafts against SGLang's own selector code, the selector
+loss against a naive per-slot reference, the stop-gradient, and the export SGLang loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from specforge_dspark.config.recipe import ObjectiveRecipe
+from specforge_dspark.drafters.dflash2 import DFlash2Config, DFlash2Draft
+from specforge_dspark.drafters.registry import KINDS, kind_of_dir, loss_fn
+from specforge_dspark.export import dflash as export_dflash
+from specforge_dspark.export.source import checkpoint_kind
+from specforge_dspark.objective.frozen_head import FrozenHead
+from specforge_dspark.objective.loss import compute_loss_at
+from specforge_dspark.objective.selector_loss import selector_term
+from tests.sglang_shim import import_sglang
+from tests.test_dflash import TINY, batch
+from tests.test_export import unpacked_params
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SELECTOR = dict(selector_rank=6, selector_top_k=4)
+
+
+def draft_and_head(seed: int = 0) -> tuple[DFlash2Draft, FrozenHead]:
+    torch.manual_seed(seed)
+    draft = DFlash2Draft(DFlash2Config(**TINY, **SELECTOR)).double()
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.ndim == 1 else 0.0))
+    g = torch.Generator().manual_seed(7)
+    V, H = draft.config.vocab_size, draft.config.hidden_size
+    head = FrozenHead(
+        torch.randn(V, H, generator=g).double(), torch.randn(V, H, generator=g).double(), V, 2.0
+    )
+    return draft, head
+
+
+def test_registry_lists_dflash2():
+    assert KINDS["dflash2"].architecture == "DFlash2DraftModel"
+    assert loss_fn("dflash2").keywords["extra"] is selector_term
+
+
+def test_greedy_drafts_are_sglangs_selector_walk():
+    """Our propose against SGLang's CandidateSelector.build_lattice + sample_path (its CPU
+    branch, greedy rows) over the same hidden rows and candidates."""
+    dflash = import_sglang("sglang.srt.models.dflash")
+    draft, head = draft_and_head()
+    draft, head = (
+        draft.float(),
+        FrozenHead(
+            *(t.float() for t in (head.embed_weight, head.lm_head_weight)), head.vocab_rows, 2.0
+        ),
+    )
+    theirs = dflash.CandidateSelector(hidden_size=32, vocab_size=72, state_rank=6, top_k=4)
+    theirs.load_state_dict(draft.candidate_selector.state_dict())
+    g = torch.Generator().manual_seed(5)
+    checked = 0
+    for ctx_len, bonus in ((6, 3), (9, 40), (12, 17)):
+        ctx = draft.context(torch.randn(1, 12, 64, generator=g))
+        ours, _ = draft.propose(ctx, ctx_len, bonus, head.embed, head.logits)
+        with torch.no_grad():
+            h = draft.block_hidden(ctx, ctx_len, bonus, head.embed)[1:][None]
+            unary, cand = head.logits(h).float().topk(4, dim=-1)
+            with torch._dynamo.config.patch(disable=True):  # eager: no C++ build in a test
+                scores = theirs.build_lattice(
+                    candidate_ids=cand,
+                    unary_logits=unary,
+                    hidden_states=h,
+                    anchor_token_ids=torch.tensor([bonus]),
+                )
+                tokens, _ = theirs.sample_path(
+                    candidate_ids=cand,
+                    scores=scores,
+                    uniforms=torch.rand(1, 4),
+                    temperatures=torch.ones(1),
+                    greedy_mask=torch.ones(1, dtype=torch.bool),
+                )
+        assert ours.tolist() == tokens[0].tolist()
+        checked += int((ours != cand[0, :, 0]).any())  # the walk chose past the top-1
+    assert checked >= 1, "every walk equalled the unary argmax: the pair term never mattered"
+
+
+def naive_selector(draft, head, h_XGH, teacher_XGH, prev_XG, coef_XG, mask_XG):
+    """Per slot, in plain loops: candidates, gold injection, pair scores, CE."""
+    sel, K = draft.candidate_selector, draft.config.selector_top_k
+    A, B, P = sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight
+    total, right, found, n = 0.0, 0, 0, 0
+    for x in range(h_XGH.shape[0]):
+        for g in range(h_XGH.shape[1]):
+            h = h_XGH[x, g].detach()
+            logits = head.logits(h).float()
+            gold = int(head.teacher_logits(teacher_XGH[x, g]).argmax())
+            cand = [int(i) for i in logits.topk(K).indices]
+            hit = gold in cand
+            if not hit:
+                cand[-1] = gold
+            code = A[int(prev_XG[x, g])] * (P @ h)
+            scores = torch.stack([logits[c] + (code * B[c]).sum() for c in cand])
+            target = cand.index(gold)
+            total = total + coef_XG[x, g] * -F.log_softmax(scores.float(), 0)[target]
+            if mask_XG[x, g]:
+                n, found = n + 1, found + hit
+                right += int(scores.argmax()) == target
+    return total, right / n, found / n
+
+
+def test_selector_loss_equals_the_naive_reference_and_chunking_changes_nothing():
+    draft, head = draft_and_head()
+    g = torch.Generator().manual_seed(1)
+    X, G, H = 5, 4, 32
+    h = torch.randn(X, G, H, generator=g).double()
+    teacher = h + 0.7 * torch.randn(X, G, H, generator=g).double()  # near: some gold in top-K
+    prev = torch.randint(0, 72, (X, G), generator=g)
+    coef = torch.rand(X, G, generator=g).double()
+    mask = torch.rand(X, G, generator=g) > 0.2
+    want, acc, recall = naive_selector(draft, head, h, teacher, prev, coef, mask)
+    for chunk in (1, 2, X):
+        got, metrics = selector_term(draft, head, h, teacher, prev, coef, coef, mask, chunk, 1.0)
+        torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=1e-6)
+        assert metrics["selector_acc"].item() == pytest.approx(acc)
+        assert metrics["candidate_recall"].item() == pytest.approx(recall)
+    assert 0 < recall < 1, "the gold was always (or never) among the top-K: injection untested"
+
+
+def test_the_selector_term_trains_only_the_selector():
+    """Stop-gradient: the backbone's gradients are the DFlash loss's alone."""
+    draft, head = draft_and_head()
+    ids, mask, aux, last = batch(draft)
+    anchors, valid = torch.tensor([[3, 6, 8]]), torch.ones(1, 3, dtype=torch.bool)
+    obj = ObjectiveRecipe(num_anchors=3, bce_weight=0.0, chunk_size=2)
+    grads = []
+    for extra in (None, selector_term):
+        draft.zero_grad()
+        out = compute_loss_at(draft, head, ids, mask, aux, last, anchors, valid, obj, extra=extra)
+        out.loss.backward()
+        grads.append({n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None})
+    plain, with_selector = grads
+    assert not any(n.startswith("candidate_selector") for n in plain)
+    for name, grad in plain.items():
+        assert torch.equal(grad, with_selector[name]), name
+    selector = [g for n, g in with_selector.items() if n.startswith("candidate_selector")]
+    assert len(selector) == 3 and all(g.abs().sum() > 0 for g in selector)
+    assert {"selector_loss", "selector_acc", "candidate_recall"} <= set(out.metrics)
+
+
+def test_export_is_what_sglangs_dflash2_model_loads(tmp_path, monkeypatch):
+    draft, _ = draft_and_head()
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"logits_mup_width_multiplier": 4.0}))
+    out = export_dflash.export_dflash(draft.float(), None, tmp_path / "d2", target_path=target)
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["architectures"] == ["DFlash2DraftModel"]
+    assert raw["dflash_config"]["output_multiplier"] == 0.25
+    assert kind_of_dir(out) == checkpoint_kind(out) == "dflash2"
+    back = DFlash2Draft.from_pretrained(out)
+    assert back.config.selector_top_k == 4 and back.config.output_multiplier == 0.25
+
+    hf_config = import_sglang("sglang.srt.utils.hf_transformers.config").get_config(
+        str(out), trust_remote_code=False
+    )
+    parsed = import_sglang("sglang.srt.speculative.dflash_utils").parse_dflash_draft_config(
+        draft_hf_config=hf_config
+    )
+    assert (parsed.selector_rank, parsed.selector_top_k) == (6, 4)
+    assert parsed.output_multiplier == 0.25
+    dflash = import_sglang("sglang.srt.models.dflash")
+    rope = import_sglang("sglang.srt.layers.rotary_embedding.base")
+    parallel = import_sglang("sglang.srt.runtime_context").get_parallel()
+    monkeypatch.setattr(rope, "_is_cpu", True)
+    single = dict(tp_size=1, tp_rank=0, attn_tp_size=1, attn_tp_rank=0, attn_dp_size=1)
+    single.update(attn_dp_rank=0, attn_cp_size=1, attn_cp_rank=0)
+    with parallel.override(**single):
+        model = dflash.DFlash2DraftModel(hf_config)
+    ours = load_file(str(out / "model.safetensors"))
+    assert {k: tuple(v.shape) for k, v in ours.items()} == unpacked_params(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    model.load_weights(iter(ours.items()))
+    params = dict(model.named_parameters())
+    assert not [n for n, p in params.items() if p.isnan().any()], "parameters left unloaded"
+    for name in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight"):
+        key = f"candidate_selector.{name}"
+        assert torch.equal(params[key].float(), ours[key].float()), key
