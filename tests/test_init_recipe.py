@@ -235,13 +235,17 @@ def test_gpus_size_the_run_and_unverified_taps_stay_on_hf(tmp_path):
     assert "rope type yarn, not copied" in text and "<|reserved_200000|> = 200000" in text
 
 
-def test_dflash_kind(tmp_path):
-    raw = _init(_write_target(tmp_path, "qwen3_8b"), tmp_path / "d.yaml", "--kind", "dflash",
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_dflash_kinds(tmp_path, kind):
+    raw = _init(_write_target(tmp_path, "qwen3_8b"), tmp_path / "d.yaml", "--kind", kind,
                 "--gpus", "0")  # fmt: skip
     d = raw["draft"]
-    assert d["kind"] == "dflash" and d["block_size"] == 16
+    assert d["kind"] == kind and d["block_size"] == 16
     assert d["layer_types"] == ["sliding_attention"] * d["num_hidden_layers"]
     assert raw["objective"]["bce_weight"] == 0.0 and raw["export"]["formats"] == ["sglang"]
+    assert (d.get("selector_rank"), d.get("selector_top_k")) == (
+        (64, 16) if kind == "dflash2" else (None, None)
+    )
 
 
 def test_no_tokenizer_names_the_file_or_takes_the_mask_id(tmp_path, capsys):

@@ -180,14 +180,16 @@ def draft_section(
         "intermediate_size": ffn or 3 * H, "hidden_act": "silu",
         "rms_norm_eps": float(text.get("rms_norm_eps") or 1e-6), "rope_theta": theta,
         "max_position_embeddings": text.get("max_position_embeddings") or 32768,
-        "vocab_size": text["vocab_size"], "block_size": 16 if kind == "dflash" else 7,
+        "vocab_size": text["vocab_size"], "block_size": 7 if kind == "dspark" else 16,
         "target_layer_ids": aux_layer_ids(L, full_attention_layers(text, fam), aux_count),
         "num_target_layers": L, "mask_token_id": mask,
     }  # fmt: skip
-    if kind == "dflash":  # served draft window 4096 as the seed; 64 as the tiny recipe
+    if kind != "dspark":  # served draft window 4096 as the seed; 64 as the tiny recipe
         draft.update(
             layer_types=["sliding_attention"] * layers, sliding_window=4096 if gpus else 64
         )
+    if kind == "dflash2":  # the production recipe's selector (recipes/inkling_nvfp4_dflash2.yaml)
+        draft.update(selector_rank=64, selector_top_k=16)
     else:
         draft.update(markov_rank=min(256, H // 4), markov_head_type="vanilla",
                      enable_confidence_head=True, confidence_head_with_markov=True)  # fmt: skip
@@ -364,7 +366,7 @@ def _emit(lines: list[str], key: str, value: Any, notes: dict[str, str], parent:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True, type=Path, help="checkpoint dir (config.json)")
-    ap.add_argument("--kind", choices=["dspark", "dflash"], default="dspark")
+    ap.add_argument("--kind", choices=["dspark", "dflash", "dflash2"], default="dspark")
     ap.add_argument("--gpus", type=int, help="GPUs to train on (default: visible; 0 = CPU)")
     ap.add_argument("--out", required=True, type=Path, help="recipe YAML to write")
     ap.add_argument("--mask-token-id", type=int, help="instead of choosing one from the tokenizer")
