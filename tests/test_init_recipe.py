@@ -246,6 +246,7 @@ def test_dflash_kinds(tmp_path, kind):
     assert (d.get("selector_rank"), d.get("selector_top_k")) == (
         (64, 16) if kind == "dflash2" else (None, None)
     )
+    assert "markov_rank" not in d and "enable_confidence_head" not in d
 
 
 def test_no_tokenizer_names_the_file_or_takes_the_mask_id(tmp_path, capsys):

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specforge_dspark.engines.cpu.sglang_dflash import extend_forward_kwargs
+from specforge_dspark.engines.cpu.sglang_dflash import extend_forward_kwargs, radix_topk
 from tests.live_sglang import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,6 +168,18 @@ def test_the_dflash_draft_gets_its_noise_embeddings_in_the_runners_dtype():
         _bf16_original, fp32, _batch(embeds, rows, torch.tensor([1, 4])), None
     )["input_embeds"]
     assert torch.equal(got[[1, 4]], rows) and torch.equal(got[[0, 2, 3, 5]], embeds[[0, 2, 3, 5]])
+
+
+def test_the_selectors_top_k_takes_sglangs_torch_branch_on_cpu_only():
+    def flashinfer_top_k(scores, k):  # what flashinfer 0.7.2 does with a CPU tensor
+        raise ValueError("device must be a cuda device")
+
+    scores = torch.randn(3, 50)
+    values, ids = radix_topk(flashinfer_top_k, scores, 4)
+    want = torch.topk(scores, 4, dim=-1)
+    assert torch.equal(values, want.values) and torch.equal(ids, want.indices)
+    cuda = types.SimpleNamespace(is_cuda=True)
+    assert radix_topk(lambda s, k: ("flashinfer", k), cuda, 4) == ("flashinfer", 4)
 
 
 def test_a_dflash_exports_conventions_are_read_and_checked(tiny_target_dir, tmp_path):

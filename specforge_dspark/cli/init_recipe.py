@@ -184,15 +184,13 @@ def draft_section(
         "target_layer_ids": aux_layer_ids(L, full_attention_layers(text, fam), aux_count),
         "num_target_layers": L, "mask_token_id": mask,
     }  # fmt: skip
-    if kind != "dspark":  # served draft window 4096 as the seed; 64 as the tiny recipe
-        draft.update(
-            layer_types=["sliding_attention"] * layers, sliding_window=4096 if gpus else 64
-        )
-    if kind == "dflash2":  # the production recipe's selector (recipes/inkling_nvfp4_dflash2.yaml)
-        draft.update(selector_rank=64, selector_top_k=16)
-    else:
+    if kind == "dspark":
         draft.update(markov_rank=min(256, H // 4), markov_head_type="vanilla",
                      enable_confidence_head=True, confidence_head_with_markov=True)  # fmt: skip
+    else:  # served window 4096 as the seed, 64 as the tiny recipe; the selector of dflash2.yaml
+        selector = {"selector_rank": 64, "selector_top_k": 16} if kind == "dflash2" else {}
+        draft.update(layer_types=["sliding_attention"] * layers, **selector)
+        draft["sliding_window"] = 4096 if gpus else 64
     return draft
 
 

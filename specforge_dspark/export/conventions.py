@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from specforge_dspark.config.recipe import Recipe, recipe_from_dict
-from specforge_dspark.drafters.dflash import ARCHITECTURE as DFLASH_ARCH
 from specforge_dspark.drafters.dflash import DFlashConfig
 from specforge_dspark.drafters.dspark import DSparkConfig
+from specforge_dspark.drafters.registry import KINDS, kind_of_dir
 from specforge_dspark.engines.features import tap_convention
 from specforge_dspark.export import ExportError
 from specforge_dspark.export.source import resolve_checkpoint
@@ -123,7 +123,7 @@ def recorded_conventions(path: str | Path) -> dict[str, Any]:
     if kind != "export":
         return {}
     config = json.loads((resolved / "config.json").read_text())
-    dflash = DFLASH_ARCH in (config.get("architectures") or [])  # drafts never from the anchor
+    drafter = kind_of_dir(resolved)  # the DFlash kinds never draft from the anchor
     if "speculators_model_type" in config:
         aux = config.get("aux_hidden_state_layer_ids")
         served = {
@@ -132,14 +132,14 @@ def recorded_conventions(path: str | Path) -> dict[str, Any]:
             "vocab_rows": (config.get("transformer_layer_config") or {}).get("vocab_size"),
         }
     else:  # the draft fields SGLang serves, from the config root
-        cfg = (DFlashConfig if dflash else DSparkConfig).from_dict(config)
+        cfg = KINDS[drafter].config.from_dict(config)
         served = {
             "target_layer_ids": cfg.target_layer_ids,
             "num_target_layers": cfg.num_target_layers,
             "mask_token_id": cfg.mask_token_id,
             "vocab_rows": cfg.vocab_size,
         }
-    served["sample_from_anchor"] = config.get("sample_from_anchor", not dflash)
+    served["sample_from_anchor"] = config.get("sample_from_anchor", drafter == "dspark")
     return (config.get(CONVENTIONS_KEY) or {}) | {k: v for k, v in served.items() if v is not None}
 
 

@@ -16,8 +16,9 @@ is a platform answer named after the SGLang line it bridges (found in launch ord
    bf16 input. The CPU engine serves in float32 (where engine and harness are exact):
    the embeddings reach the model in the runner's own dtype, unrounded.
 3. `models/dflash.py` `_radix_topk` (~66-70), the DFlash2 selector's candidate top-K,
-   calls flashinfer's CUDA top-k whenever flashinfer imports (SGLang's venv has it);
-   for CPU tensors it takes SGLang's own fallback branch there, `torch.topk`.
+   calls flashinfer's CUDA top-k whenever flashinfer imports (SGLang's venv has it;
+   flashinfer 0.7.2 raises "device must be a cuda device" for a CPU tensor); for CPU
+   tensors it takes SGLang's own fallback branch there, `torch.topk`.
 """
 
 from __future__ import annotations
