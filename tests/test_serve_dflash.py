@@ -41,19 +41,25 @@ def _run(cmd: list[str], timeout: int) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-@pytest.fixture(scope="module", params=["dflash", "dflash2"])
-def dflash_export(request, tiny_target_dir, tmp_path_factory) -> Path:
-    """A DFlash (or DFlash2: the same backbone plus its selector) drafter trained STEPS
-    steps (one rank, hf backend) on the tiny target's greedy answers to the first PROMPTS
-    GSM8K test prompts; its SGLang DFLASH export."""
-    out = tmp_path_factory.mktemp(f"served_{request.param}")
-    data = out / "regenerated.jsonl"
+@pytest.fixture(scope="module")
+def served_answers(tiny_target_dir, tmp_path_factory) -> Path:
+    """The tiny target's greedy answers to the first PROMPTS GSM8K test prompts (both
+    kinds train on them)."""
+    data = tmp_path_factory.mktemp("served_answers") / "regenerated.jsonl"
     _run([
         sys.executable, "-m", "data_pipelines.regenerate", "--recipe",
         "recipes/tiny_cpu_dflash.yaml", "--input", "../shared/data/eval/gsm8k_test.jsonl",
         "--out", str(data), "--backend", "hf", "--batch-size", str(PROMPTS),
         "--max-new-tokens", "48", "--max-rows", str(PROMPTS), "--quiet",
     ], timeout=300)  # fmt: skip
+    return data
+
+
+@pytest.fixture(scope="module", params=["dflash", "dflash2"])
+def dflash_export(request, served_answers, tmp_path_factory) -> Path:
+    """A DFlash (or DFlash2: the same backbone plus its selector) drafter trained STEPS
+    steps (one rank, hf backend) on `served_answers`; its SGLang DFLASH export."""
+    out, data = tmp_path_factory.mktemp(f"served_{request.param}"), served_answers
     _run([
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
         "--master_port", str(free_port()), "train.py", "--recipe",
