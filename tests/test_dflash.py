@@ -31,9 +31,14 @@ TINY = dict(
 )
 
 
-def draft_and_head(seed: int = 0, **over) -> tuple[DFlashDraft, FrozenHead]:
+def draft_and_head(
+    seed: int = 0, kind: tuple = (DFlashConfig, DFlashDraft), **over
+) -> tuple[DFlashDraft, FrozenHead]:
+    """A random draft of `kind` (config and network classes) and a random head (64
+    logical rows, muP 2), in float64."""
     torch.manual_seed(seed)
-    draft = DFlashDraft(DFlashConfig(**{**TINY, **over})).double()
+    config, network = kind
+    draft = network(config(**{**TINY, **over})).double()
     with torch.no_grad():
         for p in draft.parameters():
             p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.ndim == 1 else 0.0))

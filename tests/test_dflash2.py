@@ -19,8 +19,10 @@ from specforge_dspark.objective.frozen_head import FrozenHead
 from specforge_dspark.objective.loss import compute_loss_at
 from specforge_dspark.objective.selector_loss import selector_term
 from tests.sglang_shim import import_sglang
-from tests.test_dflash import TINY, batch
-from tests.test_export import unpacked_params
+from tests.test_dflash import batch
+from tests.test_dflash import draft_and_head as dflash_draft_and_head
+from tests.test_export import loaded_params, unpacked_params
+from tests.test_export_dflash import sglang_dflash_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,17 +30,7 @@ SELECTOR = dict(selector_rank=6, selector_top_k=4)
 
 
 def draft_and_head(seed: int = 0) -> tuple[DFlash2Draft, FrozenHead]:
-    torch.manual_seed(seed)
-    draft = DFlash2Draft(DFlash2Config(**TINY, **SELECTOR)).double()
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.ndim == 1 else 0.0))
-    g = torch.Generator().manual_seed(7)
-    V, H = draft.config.vocab_size, draft.config.hidden_size
-    head = FrozenHead(
-        torch.randn(V, H, generator=g).double(), torch.randn(V, H, generator=g).double(), V, 2.0
-    )
-    return draft, head
+    return dflash_draft_and_head(seed, (DFlash2Config, DFlash2Draft), **SELECTOR)
 
 
 def test_registry_lists_dflash2():
@@ -170,22 +162,10 @@ def test_export_is_what_sglangs_dflash2_model_loads(tmp_path, monkeypatch):
     )
     assert (parsed.selector_rank, parsed.selector_top_k) == (6, 4)
     assert parsed.output_multiplier == 0.25
-    dflash = import_sglang("sglang.srt.models.dflash")
-    rope = import_sglang("sglang.srt.layers.rotary_embedding.base")
-    parallel = import_sglang("sglang.srt.runtime_context").get_parallel()
-    monkeypatch.setattr(rope, "_is_cpu", True)
-    single = dict(tp_size=1, tp_rank=0, attn_tp_size=1, attn_tp_rank=0, attn_dp_size=1)
-    single.update(attn_dp_rank=0, attn_cp_size=1, attn_cp_rank=0)
-    with parallel.override(**single):
-        model = dflash.DFlash2DraftModel(hf_config)
+    model = sglang_dflash_model("DFlash2DraftModel", hf_config, monkeypatch)
     ours = load_file(str(out / "model.safetensors"))
     assert {k: tuple(v.shape) for k, v in ours.items()} == unpacked_params(model)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float("nan"))
-    model.load_weights(iter(ours.items()))
-    params = dict(model.named_parameters())
-    assert not [n for n, p in params.items() if p.isnan().any()], "parameters left unloaded"
+    params = loaded_params(model, ours)
     for name in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight"):
         key = f"candidate_selector.{name}"
         assert torch.equal(params[key].float(), ours[key].float()), key

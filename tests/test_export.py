@@ -130,6 +130,18 @@ def _sglang_model(hf_config, monkeypatch, ragged_mode: str):
         return dspark.Qwen3DSparkModel(hf_config)
 
 
+def loaded_params(model, tensors: dict) -> dict:
+    """SGLang's `load_weights` of `tensors` into `model`, every parameter first NaN: its
+    parameters by name, after checking none was left unloaded."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    model.load_weights(iter(tensors.items()))
+    params = dict(model.named_parameters())
+    assert not [n for n, p in params.items() if p.isnan().any()], "parameters left unloaded"
+    return params
+
+
 def unpacked_params(model) -> dict[str, tuple[int, ...]]:
     """Checkpoint names and shapes SGLang's load_weights maps onto the model's parameters
     (the inverse of its stacked_params_mapping: qkv_proj <- q/k/v, gate_up_proj <- gate/up)."""
@@ -168,12 +180,7 @@ def test_sglang_tensors_are_exactly_what_its_dspark_model_loads(tmp_path, monkey
         want["confidence_head.proj.bias"] = (1,)
     assert {k: tuple(v.shape) for k, v in ours.items()} == want
 
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float("nan"))
-    model.load_weights(iter(ours.items()))
-    params = dict(model.named_parameters())
-    assert not [n for n, p in params.items() if p.isnan().any()], "parameters left unloaded"
+    params = loaded_params(model, ours)
     for i in range(cfg.num_hidden_layers):
         pre = f"layers.{i}"
         qkv = torch.cat([ours[f"{pre}.self_attn.{p}_proj.weight"] for p in "qkv"]).float()

@@ -17,7 +17,7 @@ from specforge_dspark.export.dispatch import export_checkpoint
 from specforge_dspark.export.source import checkpoint_kind
 from tests.sglang_shim import import_sglang
 from tests.test_dflash import TINY
-from tests.test_export import unpacked_params
+from tests.test_export import loaded_params, unpacked_params
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,6 +35,18 @@ def _hf_config(out):
     return import_sglang("sglang.srt.utils.hf_transformers.config").get_config(
         str(out), trust_remote_code=False
     )
+
+
+def sglang_dflash_model(name: str, hf_config, monkeypatch):
+    """SGLang's own `models/dflash.py` class `name` built from `hf_config` on one rank."""
+    dflash = import_sglang("sglang.srt.models.dflash")
+    rope = import_sglang("sglang.srt.layers.rotary_embedding.base")
+    parallel = import_sglang("sglang.srt.runtime_context").get_parallel()
+    monkeypatch.setattr(rope, "_is_cpu", True)
+    single = dict(tp_size=1, tp_rank=0, attn_tp_size=1, attn_tp_rank=0, attn_dp_size=1)
+    single.update(attn_dp_rank=0, attn_cp_size=1, attn_cp_rank=0)
+    with parallel.override(**single):
+        return getattr(dflash, name)(hf_config)
 
 
 def test_config_passes_sglangs_dflash_parsing(tmp_path):
@@ -66,23 +78,11 @@ def test_config_passes_sglangs_dflash_parsing(tmp_path):
 def test_tensors_are_exactly_what_sglangs_dflash_model_loads(tmp_path, monkeypatch):
     cfg = DFlashConfig(**TINY)
     out = export_dflash.export_dflash(trained(cfg), None, tmp_path / "dflash")
-    dflash = import_sglang("sglang.srt.models.dflash")
-    rope = import_sglang("sglang.srt.layers.rotary_embedding.base")
-    parallel = import_sglang("sglang.srt.runtime_context").get_parallel()
-    monkeypatch.setattr(rope, "_is_cpu", True)
-    single = dict(tp_size=1, tp_rank=0, attn_tp_size=1, attn_tp_rank=0, attn_dp_size=1)
-    single.update(attn_dp_rank=0, attn_cp_size=1, attn_cp_rank=0)
-    with parallel.override(**single):
-        model = dflash.DFlashDraftModel(_hf_config(out))
+    model = sglang_dflash_model("DFlashDraftModel", _hf_config(out), monkeypatch)
     ours = load_file(str(out / "model.safetensors"))
     assert all(t.dtype == torch.bfloat16 for t in ours.values())
     assert {k: tuple(v.shape) for k, v in ours.items()} == unpacked_params(model)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float("nan"))
-    model.load_weights(iter(ours.items()))
-    params = dict(model.named_parameters())
-    assert not [n for n, p in params.items() if p.isnan().any()], "parameters left unloaded"
+    params = loaded_params(model, ours)
     qkv = torch.cat([ours[f"layers.1.self_attn.{p}_proj.weight"] for p in "qkv"]).float()
     assert torch.equal(params["layers.1.self_attn.qkv_proj.weight"], qkv)
     for name, p in params.items():
