@@ -285,7 +285,16 @@ class DFlashDraft(nn.Module):
         (i = 1 .. G-1) = argmax logits_fn(h[i]) of `block_hidden`, the guess for the
         token at ctx_len + i. Returns (G-1 drafts, None)."""
         h_GH = self.block_hidden(ctx_1SH, ctx_len, bonus_token, embed_fn)
-        return logits_fn(h_GH[1:]).argmax(-1), None
+        return self.drafts(h_GH[1:], bonus_token, logits_fn), None
+
+    def drafts(
+        self,
+        h_DH: torch.Tensor,
+        bonus_token: int | torch.Tensor,
+        logits_fn: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """The D = G-1 drafts of the drafting rows' hidden `[D, H]`: each row's argmax."""
+        return logits_fn(h_DH).argmax(-1)
 
     def block_hidden(
         self,

@@ -153,26 +153,22 @@ class DFlash2Draft(DFlashDraft):
             config.hidden_size, config.vocab_size, config.selector_rank, config.selector_top_k
         )
 
-    @torch.no_grad()
-    def propose(
+    def drafts(
         self,
-        ctx_1SH: torch.Tensor,
-        ctx_len: int,
+        h_DH: torch.Tensor,
         bonus_token: int | torch.Tensor,
-        embed_fn: Callable[[torch.Tensor], torch.Tensor],
         logits_fn: Callable[[torch.Tensor], torch.Tensor],
-    ) -> tuple[torch.Tensor, None]:
-        """Greedy drafts of one block as SGLang's DFLASH worker makes them for a DFlash2
-        draft: the DFlash block's hidden rows 1..G-1, their top-K candidates, the
-        selector's lattice over them, walked greedily. Returns (G-1 drafts, None)."""
-        h_GH = self.block_hidden(ctx_1SH, ctx_len, bonus_token, embed_fn)[1:]
-        unary_GK, cand_GK = logits_fn(h_GH).float().topk(self.candidate_selector.top_k, -1)
-        bonus = torch.as_tensor(bonus_token, device=cand_GK.device).reshape(1, 1)
-        pred_GK = torch.cat((bonus.expand(1, cand_GK.shape[1]), cand_GK[:-1]))
+    ) -> torch.Tensor:
+        """Greedy drafts as SGLang's DFLASH worker makes them for a DFlash2 draft (`propose`
+        of the DFlash backbone calls this with rows 1..G-1): their top-K candidates, the
+        selector's lattice over them, walked greedily."""
+        unary_DK, cand_DK = logits_fn(h_DH).float().topk(self.candidate_selector.top_k, -1)
+        bonus = torch.as_tensor(bonus_token, device=cand_DK.device).reshape(1, 1)
+        pred_DK = torch.cat((bonus.expand(1, cand_DK.shape[1]), cand_DK[:-1]))
         scores = self.candidate_selector.scores(
-            pred_GK[None], cand_GK[None], unary_GK[None], h_GH[None]
+            pred_DK[None], cand_DK[None], unary_DK[None], h_DH[None]
         )[0]
-        return greedy_walk(scores, cand_GK), None
+        return greedy_walk(scores, cand_DK)
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
