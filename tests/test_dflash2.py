@@ -146,10 +146,12 @@ def test_export_is_what_sglangs_dflash2_model_loads(tmp_path, monkeypatch):
     target = tmp_path / "target"
     target.mkdir()
     (target / "config.json").write_text(json.dumps({"logits_mup_width_multiplier": 4.0}))
-    out = export_dflash.export_dflash(draft.float(), None, tmp_path / "d2", target_path=target)
+    draft = draft.float()
+    out = export_dflash.export_dflash(draft, None, tmp_path / "d2", target_path=target)
     raw = json.loads((out / "config.json").read_text())
     assert raw["architectures"] == ["DFlash2DraftModel"]
     assert raw["dflash_config"]["output_multiplier"] == 0.25
+    assert draft.config.output_multiplier == 1.0  # the exported draft is left as it was
     assert kind_of_dir(out) == checkpoint_kind(out) == "dflash2"
     back = DFlash2Draft.from_pretrained(out)
     assert back.config.selector_top_k == 4 and back.config.output_multiplier == 0.25

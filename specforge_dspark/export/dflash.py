@@ -27,6 +27,8 @@ dispatches here when the checkpoint's recipe has `draft.kind: dflash` or `dflash
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -76,10 +78,12 @@ def export_dflash(
     bad = [k for k, v in draft.state_dict().items() if v.shape != want[k]]
     if bad:
         raise ExportError(f"tensors {bad[:3]} do not have their full shapes (ZeRO-3?)")
-    if hasattr(draft.config, "output_multiplier") and target_path:
+    if hasattr(draft.config, "output_multiplier") and target_path:  # the caller's draft kept
         from specforge_dspark.objective.frozen_head import mup_multiplier
 
-        draft.config.output_multiplier = 1.0 / mup_multiplier(target_path)
+        draft = copy.copy(draft)  # the same tensors, its own config
+        scale = 1.0 / mup_multiplier(target_path)
+        draft.config = dataclasses.replace(draft.config, output_multiplier=scale)
     return write_sglang(draft, out_dir, conventions(draft.config, target_path), dtype)
 
 
