@@ -1,7 +1,7 @@
 """objective: one forward+backward of the draft and the objective on CPU at the real Inkling
 vocabulary (201024 LM-head rows, 200058 logical), hidden 256, 2 layers, 3 aux layers,
 S=4096, random weights and features, for each block size G (DSpark, G = 7 and 16 by
-default: the production DSpark and Inkling-Small blocks; `--kind dflash` for DFlash), anchor
+default: the production DSpark and Inkling-Small blocks; `--kind dflash`, `dflash2`), anchor
 count and chunk size in a fresh subprocess (peak RSS is per process). One line per
 configuration:
   objective kind=<k> G=<g> dtype=<fp32|bf16> anchors=<N> chunk=<C> tokens_per_s=<x> peak_rss_mb=<y>
@@ -34,7 +34,7 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--anchors", type=int, nargs="+", default=[32, 256])
     ap.add_argument("--chunks", type=int, nargs="+", default=[32])
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[7, 16])
-    ap.add_argument("--kind", choices=("dspark", "dflash"), default="dspark")
+    ap.add_argument("--kind", choices=("dspark", "dflash", "dflash2"), default="dspark")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--max-unchunked-gb", type=float, default=16.0)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -140,7 +140,7 @@ def _objective_once(
     step(num_anchors, chunk)
     seconds = time.perf_counter() - start
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    tokens = num_anchors * (block_size - 1 if kind == "dflash" else block_size)
+    tokens = num_anchors * (block_size if kind == "dspark" else block_size - 1)
     return (
         f"objective kind={kind} G={block_size} dtype={dtype_name} anchors={num_anchors} "
         f"chunk={chunk} tokens_per_s={tokens / seconds:.1f} peak_rss_mb={peak_mb:.0f}"
