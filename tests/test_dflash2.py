@@ -18,6 +18,7 @@ from specforge_dspark.export.source import checkpoint_kind
 from specforge_dspark.objective.frozen_head import FrozenHead
 from specforge_dspark.objective.loss import compute_loss_at
 from specforge_dspark.objective.selector_loss import selector_term
+from specforge_dspark.objective.vocab_loss import FusedVocabLoss, VocabPlan
 from tests.sglang_shim import import_sglang
 from tests.test_dflash import batch
 from tests.test_dflash import draft_and_head as dflash_draft_and_head
@@ -87,7 +88,7 @@ def naive_selector(draft, head, h_XGH, teacher_XGH, prev_XG, coef_XG, mask_XG):
         for g in range(h_XGH.shape[1]):
             h = h_XGH[x, g].detach()
             logits = head.logits(h).float()
-            gold = int(head.teacher_logits(teacher_XGH[x, g]).argmax())
+            gold = int(head.teacher_logits(teacher_XGH[x, g])[: head.logical_vocab].argmax())
             cand = [int(i) for i in logits.topk(K).indices]
             hit = gold in cand
             if not hit:
@@ -103,17 +104,23 @@ def naive_selector(draft, head, h_XGH, teacher_XGH, prev_XG, coef_XG, mask_XG):
 
 
 def test_selector_loss_equals_the_naive_reference_and_chunking_changes_nothing():
+    """The candidates come from the vocab loss's own chunks (FusedVocabLoss with top_k),
+    the term scores them; against plain per-slot loops over the head."""
     draft, head = draft_and_head()
     g = torch.Generator().manual_seed(1)
     X, G, H = 5, 4, 32
     h = torch.randn(X, G, H, generator=g).double()
     teacher = h + 0.7 * torch.randn(X, G, H, generator=g).double()  # near: some gold in top-K
     prev = torch.randint(0, 72, (X, G), generator=g)
+    labels = torch.randint(0, 64, (X, G), generator=g)
     coef = torch.rand(X, G, generator=g).double()
     mask = torch.rand(X, G, generator=g) > 0.2
     want, acc, recall = naive_selector(draft, head, h, teacher, prev, coef, mask)
+    obj = ObjectiveRecipe(bce_weight=0.0)
     for chunk in (1, 2, X):
-        got, metrics = selector_term(draft, head, h, teacher, prev, coef, coef, mask, chunk, 1.0)
+        plan = VocabPlan(draft, head, prev, labels, teacher, coef, obj, chunk, False, top_k=4)
+        FusedVocabLoss.apply(plan, h)
+        got, metrics = selector_term(draft, plan.candidates, h, prev, coef, coef, mask, 1.0)
         torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=1e-6)
         assert metrics["selector_acc"].item() == pytest.approx(acc)
         assert metrics["candidate_recall"].item() == pytest.approx(recall)

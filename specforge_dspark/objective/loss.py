@@ -108,8 +108,9 @@ def compute_loss_at(
     position_ids_BS: packed rows (training/packing.py): each token's position in its own
     conversation; a block's context then starts at its conversation's first token and its
     rows sit at the conversation's positions. None: one sequence per row.
-    extra: a kind's own term over the drafting rows (selector_loss.selector_term's
-    signature), added to the loss with its metrics; None for DSpark and DFlash.
+    extra: a kind's own term over the drafting rows (selector_loss.SelectorTerm: its
+    `top_k(draft)` candidates per slot come from the vocab loss's chunks), added to the
+    loss with its metrics; None for DSpark and DFlash.
     """
     cfg = draft.config
     R, G = cfg.block_size, draft.num_drafts
@@ -184,6 +185,7 @@ def compute_loss_at(
         obj=obj,
         chunk=chunk,
         need_grads=need_grads,
+        top_k=0 if extra is None else extra.top_k(draft),
     )
     params = [p for p in draft.parameters() if p.requires_grad] if need_grads else []
     loss, stats_6XG = FusedVocabLoss.apply(plan, h_BNGH.reshape(X, G, -1), *params)
@@ -192,14 +194,12 @@ def compute_loss_at(
     if extra is not None:
         term, more = extra(
             draft,
-            head,
+            plan.candidates,
             h_BNGH.reshape(X, G, -1),
-            plan.teacher_h_XGH,
             plan.prev_XG,
             plan.coef_XG,
             bl.weight_BNG.reshape(X, G),
             bl.eval_mask_BNG.reshape(X, G),
-            chunk,
             obj.selector_weight,
             group if pooled else None,
         )

@@ -200,6 +200,20 @@ def slot_terms_(
 
 
 @dataclass
+class Candidates:
+    """Per drafted slot, the draft logits' top-K rows and the teacher's argmax over its
+    logical rows, taken from the vocab-sized logits each chunk computes anyway (the
+    DFlash2 selector's inputs, objective/selector_loss.py). No gradient."""
+
+    ids_XGK: Tensor
+    unary_XGK: Tensor
+    """The draft logits of `ids_XGK` (float32)."""
+    gold_XG: Tensor
+    gold_logit_XG: Tensor
+    """The draft logit of the teacher's argmax (float32)."""
+
+
+@dataclass
 class VocabPlan:
     """What `FusedVocabLoss` needs besides the differentiable inputs; blocks flattened
     over the batch, X = B * N, and G their drafted slots."""
@@ -214,6 +228,9 @@ class VocabPlan:
     obj: ObjectiveRecipe
     chunk: int
     need_grads: bool
+    top_k: int = 0
+    """> 0: forward also fills `candidates` with each slot's top-`top_k` draft rows."""
+    candidates: Candidates | None = None
 
 
 class FusedVocabLoss(torch.autograd.Function):
@@ -234,6 +251,14 @@ class FusedVocabLoss(torch.autograd.Function):
         # Parameter gradients are summed over the chunks in (at least) float32 and cast to
         # the parameter's dtype once, in backward: a bf16 running sum would round each add.
         grad_P: list[Tensor | None] = [None] * len(params)
+        if plan.top_k > 0:
+            K, dev = plan.top_k, h_XGH.device
+            plan.candidates = Candidates(
+                torch.zeros(X, G, K, dtype=torch.long, device=dev),
+                torch.zeros(X, G, K, device=dev),
+                torch.zeros(X, G, dtype=torch.long, device=dev),
+                torch.zeros(X, G, device=dev),
+            )
         for lo in range(0, X, plan.chunk):
             sl = slice(lo, min(lo + plan.chunk, X))
             stats_6XG[:, sl], grads = vocab_chunk(plan, sl, h_XGH[sl], params)
@@ -279,6 +304,12 @@ def vocab_chunk(
         # float32 output and softcap: the target's served logits (see frozen_head.py);
         # slot_terms_ keeps its first logical_vocab rows
         teacher_1CGV = head.teacher_logits(plan.teacher_h_XGH[sl].unsqueeze(0))
+        if plan.candidates is not None:  # before slot_terms_ consumes both
+            c, z_CGV = plan.candidates, logits_1CGV[0].detach().float()
+            c.unary_XGK[sl], c.ids_XGK[sl] = z_CGV.topk(plan.top_k, dim=-1)
+            c.gold_XG[sl] = teacher_1CGV[0, ..., : head.logical_vocab].argmax(-1)
+            c.gold_logit_XG[sl] = z_CGV.gather(-1, c.gold_XG[sl, :, None])[..., 0]
+            del z_CGV
     # logits_1CGV is scratch for slot_terms_: nothing saved its value for backward (it is
     # the output of an addition), so overwriting it is safe.
     t = slot_terms_(
