@@ -109,10 +109,15 @@ quality: setup tiny-target
 # The whole suite (live CPU SGLang and vLLM servers, each in its own venv, and fault drills
 # included); the slowest 40 tests are printed so that the suite's cost stays visible. The
 # venvs install side by side (mostly disk work), and the tiny targets build (CPU work)
-# while the engines' venvs are still installing.
+# while the engines' venvs are still installing. Two pytest-xdist workers, one per core:
+# a module that uses a shared server or reference run goes with that fixture's group
+# (tests/conftest.py), every process runs one OpenMP thread (two spinning OpenMP teams
+# on two cores slow each other 10-30x).
+TEST_WORKERS ?= 2
 test:
 	$(MAKE) -j3 setup vllm-venv sglang-venv tiny-targets
-	$(PY) -m pytest tests --durations=40
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup \
+		--no-loadscope-reorder --durations=40
 
 # For iteration: no live servers, no multi-process drills or training runs (markers
 # `slow` and `server`); a few minutes once the tiny target is cached.

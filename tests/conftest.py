@@ -32,12 +32,78 @@ SERVER_FIXTURES = {
     "tp2_server",
 }
 
+# `make test` runs two pytest-xdist workers (--dist loadgroup). A session fixture that
+# starts a server or trains a reference run is built once per worker, so every module that
+# uses one goes to that fixture's group; any other module is a group of its own (its module
+# fixtures stay on one worker).
+SHARED_GROUPS = {
+    "sglang_server": "sglang",
+    "chunked_server": "sglang",
+    "trained_export": "sglang",
+    "inkling_server": "inkling",
+    "tp2_server": "inkling",
+    "calibrated_inkling_run": "inkling",
+    "vllm_server": "vllm",
+}
+# The longest groups first, so that the two workers end together (a scheduling hint: a
+# stale entry costs balance, never correctness). Measured with --durations on 2026-12-03.
+LONGEST_FIRST = [
+    "sglang", "inkling", "test_faults_lifecycle", "test_serve_dflash", "vllm", "test_faults_worker"
+]  # fmt: skip
 
+# In-process runs (world size 1) rendezvous on MASTER_PORT: one per xdist worker.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+os.environ.setdefault("MASTER_PORT", str(29511 + 100 * int(_WORKER.removeprefix("gw") or 0)))
+
+
+_GROUPS: dict[str, str] = {}  # test module path -> its xdist group
+_GROUP_SERVERS: dict[str, list] = {}  # group -> the live servers of its session fixtures
+
+
+def _serving(fixture: str, server):
+    """`server`, stopped as soon as the last test of `fixture`'s group has run (not at the
+    end of the session: an idle TP 2 CPU server keeps half a core busy)."""
+    _GROUP_SERVERS.setdefault(SHARED_GROUPS[fixture], []).append(server)
+    return server
+
+
+def _group(module_items) -> str:
+    for item in module_items:
+        for name in getattr(item, "fixturenames", ()):
+            if name in SHARED_GROUPS:
+                return SHARED_GROUPS[name]
+    return module_items[0].module.__name__.rpartition(".")[2]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    """Mark every test that needs a live server `server` (`make test-quick` leaves them out)."""
+    """Mark every test that needs a live server `server` (`make test-quick` leaves them out),
+    put each module in its xdist group, and order the groups longest first."""
+    modules: dict[str, list] = {}
     for item in items:
         if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.server)
+        modules.setdefault(item.nodeid.partition("::")[0], []).append(item)
+    groups = {path: _group(module_items) for path, module_items in modules.items()}
+    _GROUPS.update(groups)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid.partition("::")[0]]))
+
+    def rank(item) -> int:
+        group = groups[item.nodeid.partition("::")[0]]
+        return LONGEST_FIRST.index(group) if group in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: a module's tests keep their order
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """A group runs contiguously on one worker: once the next test is another group's,
+    stop this group's servers (their fixtures' own teardown then finds them stopped)."""
+    group = _GROUPS.get(item.nodeid.partition("::")[0])
+    if nextitem is None or _GROUPS.get(nextitem.nodeid.partition("::")[0]) != group:
+        for server in _GROUP_SERVERS.pop(group, []):
+            server.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +151,7 @@ def sglang_server(tiny_qwen3_dir, tmp_path_factory):
     from tests.live_sglang import LiveServer
 
     with LiveServer(tiny_qwen3_dir, tmp_path_factory.mktemp("sglang")) as server:
-        yield server
+        yield _serving("sglang_server", server)
 
 
 @pytest.fixture(scope="session")
@@ -96,10 +162,12 @@ def calibrated_inkling_run(tmp_path_factory, tiny_target_dir) -> Path:
     import subprocess
     import sys
 
+    from tests.live_sglang import free_port
+
     out = tmp_path_factory.mktemp("calibrate_tiny") / "run"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_port", "29741", "train.py", "--recipe", "recipes/tiny_cpu.yaml",
+        "--master_port", str(free_port()), "train.py", "--recipe", "recipes/tiny_cpu.yaml",
         "--resume", "none", f"train.output_dir={out}", "train.max_steps=150",
         "train.eval_interval=0", "checkpoint.save_interval=150",
         "tracking.enabled=false", "export.formats=[sglang]", "train.preflight_samples=0",
@@ -121,7 +189,7 @@ def inkling_server(tiny_target_dir, tmp_path_factory):
     from tests.live_sglang import LiveServer
 
     with LiveServer(tiny_target_dir, tmp_path_factory.mktemp("inkling"), tp_size=2) as server:
-        yield server
+        yield _serving("inkling_server", server)
 
 
 @pytest.fixture(scope="session")
@@ -131,7 +199,7 @@ def vllm_server(tiny_qwen3_dir, tmp_path_factory):
     from tests.live_vllm import LiveVLLM
 
     with LiveVLLM(tiny_qwen3_dir, tmp_path_factory.mktemp("vllm")) as server:
-        yield server
+        yield _serving("vllm_server", server)
 
 
 @pytest.fixture(scope="session")

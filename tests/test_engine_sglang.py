@@ -11,6 +11,7 @@ offsets, a split prefill as one call per chunk (middle chunks with store=False).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -185,9 +186,11 @@ def test_features_arrive_through_shared_memory(server, tiny_target_dir, behaviou
             assert torch.equal(aux[b, :n], want_aux.float()), "fp32 copy of the bf16 rows"
             assert torch.equal(last[b, :n], want_last.float())
             assert aux[b, n:].abs().sum() == 0 and last[b, n:].abs().sum() == 0
-    body = server.bodies[-1]  # request shape: token ids only, prefill, hidden states on
-    assert body["input_ids"] == [list(range(3, 15)), [3, 4]] and body["return_hidden_states"]
-    assert body["sampling_params"]["max_new_tokens"] == 1
+    # request shape: token ids only, prefill, hidden states on (the prefetched requests
+    # reach the server in any order)
+    assert [list(range(3, 15)), [3, 4]] in [b["input_ids"] for b in server.bodies]
+    for body in server.bodies:
+        assert body["return_hidden_states"] and body["sampling_params"]["max_new_tokens"] == 1
 
 
 def test_stalled_server_hits_the_request_timeout(server, tiny_target_dir):
@@ -344,23 +347,28 @@ def test_cpu_engine_launch_args_take_server_args_overrides(tiny_target_dir):
 
 def test_cpu_engine_ranks_get_their_own_cores():
     """SGLANG_CPU_OMP_THREADS_BIND for a CPU-engine server of tp x dp x pp ranks: the
-    cores split into contiguous groups; fewer cores than ranks is refused naming why."""
-    from specforge_dspark.engines.sglang import cpu_thread_binding, server_env, server_ranks
+    cores split into contiguous groups, each capped at OMP_NUM_THREADS where that is set
+    (vLLM's CPU worker the same); fewer cores than ranks is refused naming why."""
+    from specforge_dspark.engines.server import cpu_thread_binding
+    from specforge_dspark.engines.sglang import server_env, server_ranks
+    from specforge_dspark.engines.vllm import server_env as vllm_env
 
-    assert cpu_thread_binding(2, [0, 1]) == "0|1"
-    assert cpu_thread_binding(2, [0, 1, 2, 3, 4]) == "0-2|3-4"
-    assert cpu_thread_binding(1, [4, 5]) == "4-5"
-    with pytest.raises(ValueError, match="2 CPU-engine ranks .* this host gives 1"):
-        cpu_thread_binding(2, [0])
+    bind = "SGLANG_CPU_OMP_THREADS_BIND"
+    assert cpu_thread_binding(2, bind, {}, [0, 1]) == "0|1"
+    assert cpu_thread_binding(2, bind, {}, [0, 1, 2, 3, 4]) == "0-2|3-4"
+    assert cpu_thread_binding(1, bind, {}, [4, 5]) == "4-5"
+    assert cpu_thread_binding(1, bind, {"OMP_NUM_THREADS": "1"}, [4, 5]) == "4"
+    assert cpu_thread_binding(2, bind, {"OMP_NUM_THREADS": "2"}, [0, 1, 2, 3, 4, 5]) == "0-1|3-4"
+    with pytest.raises(ValueError, match=f"2 CPU-engine ranks .* this host gives 1; set {bind}"):
+        cpu_thread_binding(2, bind, {}, [0])
     assert server_ranks(["--tp-size", "2", "--dp-size", "2"]) == 4
     assert server_ranks(["--model-path", "x"]) == 1
     env = server_env(True, base={}, ranks=2)
-    assert env["SGLANG_CPU_OMP_THREADS_BIND"].count("|") == 1
-    assert "SGLANG_CPU_OMP_THREADS_BIND" not in server_env(True, base={}, ranks=1)
-    assert (
-        server_env(True, base={"SGLANG_CPU_OMP_THREADS_BIND": "0|0"}, ranks=2)[
-            "SGLANG_CPU_OMP_THREADS_BIND"
-        ]
-        == "0|0"
-    )  # a user's own setting is kept
+    assert env[bind].count("|") == 1
+    assert bind not in server_env(True, base={}, ranks=1)  # SGLang's own default: its node
+    one = str(min(os.sched_getaffinity(0)))
+    assert server_env(True, base={"OMP_NUM_THREADS": "1"}, ranks=1)[bind] == one
+    assert vllm_env(True, base={"OMP_NUM_THREADS": "1"})["VLLM_CPU_OMP_THREADS_BIND"] == one
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm_env(True, base={})
+    assert server_env(True, base={bind: "0|0"}, ranks=2)[bind] == "0|0"  # a user's own is kept
     assert "SGLANG_CPU_OMP_THREADS_BIND" not in server_env(False, base={}, ranks=8)  # GPU

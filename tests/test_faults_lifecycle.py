@@ -64,7 +64,10 @@ def _stop_and_check(job, out, target, sig) -> tuple[float, int]:
     assert rc != 0, "a stopped run must not exit like a finished one"
     assert f"{sig.name}: stopping at the next step boundary" in log, log[-2000:]
     saved = [int(p.name[5:]) for p in (out / "ckpt").glob("step-*") if (p / "COMPLETE").exists()]
-    assert max(saved) > before, f"no checkpoint after step {before}: {sorted(saved)}"
+    # the stop's own checkpoint, at or after the last step logged before the signal (a
+    # signal landing between a step's log line and its stop check saves that step)
+    stopped_at = f"step {max(saved)}: stopped"
+    assert max(saved) >= before and stopped_at in log, (before, sorted(saved), log[-2000:])
     assert took <= STOP_BOUND_S, f"{sig.name}: the job took {took:.1f}s to stop"
     status = json.loads((out / "run_status.json").read_text())  # what a scheduler reads
     assert (status["status"], status["exit_code"]) == ("stopped", 143), status

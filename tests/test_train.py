@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.inject import drills
+from tests.live_sglang import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -24,7 +25,7 @@ STEPS = 4
 pytestmark = pytest.mark.slow
 
 
-def _train(out: Path, *extra: str, env: dict | None = None, port: int = 29701):
+def _train(out: Path, *extra: str, env: dict | None = None):
     overrides = [
         f"train.output_dir={out}",
         f"train.max_steps={STEPS}",
@@ -50,7 +51,7 @@ def _train(out: Path, *extra: str, env: dict | None = None, port: int = 29701):
         "--nproc_per_node",
         "2",
         "--master_port",
-        str(port),
+        str(free_port()),
         "train.py",
         "--recipe",
         "recipes/tiny_cpu.yaml",
@@ -82,14 +83,13 @@ def _weights(ckpt: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_target_dir):
     base = tmp_path_factory.mktemp("train")
-    full = _train(base / "full", "--resume", "none", port=29711)
+    full = _train(base / "full", "--resume", "none")
     assert full.returncode == 0, full.stderr[-3000:]
     killed = _train(
         base / "killed",
         "--resume",
         "none",
         env={drills.KILL: "3"},
-        port=29712,
     )
     assert killed.returncode != 0
     assert ": SIGKILL while saving step-3, before its marker" in killed.stderr  # it landed
@@ -101,7 +101,7 @@ def test_killed_save_leaves_previous_checkpoint_and_resume_is_exact(runs):
     ck = base / "killed" / "ckpt"
     assert (ck / "step-2" / "COMPLETE").is_file()
     assert (ck / "step-3").is_dir() and not (ck / "step-3" / "COMPLETE").exists()
-    resumed = _train(base / "killed", "--resume", "auto", port=29713)
+    resumed = _train(base / "killed", "--resume", "auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {ck / 'step-2'} at step 2" in resumed.stdout
     ref, got = _losses(base / "full"), _losses(base / "killed")
@@ -120,7 +120,7 @@ def test_killed_save_leaves_previous_checkpoint_and_resume_is_exact(runs):
 
 def test_resume_with_changed_objective_is_refused(runs):
     base, _, _ = runs
-    p = _train(base / "full", "--resume", "auto", "objective.num_anchors=8", port=29714)
+    p = _train(base / "full", "--resume", "auto", "objective.num_anchors=8")
     assert p.returncode != 0  # torchrun reports a failed rank as 1
     assert "error: " in p.stderr and "objective.num_anchors: 16 -> 8" in p.stderr
     assert 'train.py", line' not in p.stderr  # a message, not a traceback through our code

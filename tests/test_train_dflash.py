@@ -24,14 +24,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.live_sglang import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def _train(recipe: str, out: Path, steps: int, port: int, *extra: str):
+def _train(recipe: str, out: Path, steps: int, *extra: str):
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_port", str(port), "train.py", "--recipe", recipe, "--resume", "none",
+        "--master_port", str(free_port()), "train.py", "--recipe", recipe, "--resume", "none",
         f"train.output_dir={out}", f"train.max_steps={steps}", "train.log_interval=1",
         "train.eval_interval=0", f"checkpoint.save_interval={steps}", "data.max_rows=64",
         "data.max_length=160", "objective.num_anchors=16", "tracking.enabled=false",
@@ -71,7 +73,7 @@ def test_tiny_dflash_trains_exports_and_beats_its_untrained_drafter(tmp_path, ti
     data = _regenerate(tmp_path / "regen.jsonl", 48, 64)
     steps = 60
     _train(
-        "recipes/tiny_cpu_dflash.yaml", tmp_path / "run", steps, 29741, "optim.lr=0.005",
+        "recipes/tiny_cpu_dflash.yaml", tmp_path / "run", steps, "optim.lr=0.005",
         f"data.train_files=[{data}]", "data.format=messages", "data.eval_files=[]",
     )  # fmt: skip
     export = tmp_path / "run" / "export" / "sglang"
@@ -125,7 +127,7 @@ def test_tiny_inkling_small_trains_and_its_speculators_export_loads(tmp_path, ti
     from tests.test_export import load_in_speculators
 
     verifier = f"export.verifier_name={tiny_target_dir}"  # speculators resolves it locally
-    _train("recipes/tiny_cpu_small.yaml", tmp_path / "run", 3, 29742, verifier)
+    _train("recipes/tiny_cpu_small.yaml", tmp_path / "run", 3, verifier)
     spec = tmp_path / "run" / "export" / "speculators"
     config = json.loads((spec / "config.json").read_text())
     assert config["block_size"] == 16 and config["markov_rank"] == 32

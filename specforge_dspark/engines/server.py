@@ -97,6 +97,31 @@ def launch_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def cpu_thread_binding(
+    ranks: int, setting: str, env: dict[str, str], cores: list[int] | None = None
+) -> str:
+    """The CPU engine's per-rank cores (`setting`, e.g. SGLANG_CPU_OMP_THREADS_BIND), `a-b|c-d`:
+    this process's cores split into `ranks` contiguous groups, each at most OMP_NUM_THREADS
+    of `env` cores where that is set (an engine rank otherwise runs one OpenMP thread per
+    core it is given, and two spinning OpenMP teams on shared cores slow each other 10-30x).
+    ValueError when there are fewer cores than ranks."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else sorted(cores)
+    if len(cores) < ranks:
+        raise ValueError(
+            f"target server_args: {ranks} CPU-engine ranks (tensor x data x pipeline parallel) "
+            f"need as many cores, this host gives {len(cores)}; set {setting}"
+        )
+    size, extra = divmod(len(cores), ranks)
+    cap = int(env["OMP_NUM_THREADS"]) if env.get("OMP_NUM_THREADS", "").isdigit() else None
+    groups, start = [], 0
+    for r in range(ranks):
+        group = cores[start : start + size + (r < extra)]
+        start += len(group)
+        group = group[:cap] if cap else group
+        groups.append(f"{group[0]}-{group[-1]}" if len(group) > 1 else str(group[0]))
+    return "|".join(groups)
+
+
 def prepend_path(env: dict[str, str], path: Path) -> None:
     """Put `path` first on env's PYTHONPATH (inherited by the processes the server spawns)."""
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(path), env.get("PYTHONPATH")) if p)

@@ -20,7 +20,6 @@ an attached one (`target.sglang.url`) is waited for, not restarted.
 from __future__ import annotations
 
 import json
-import os
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -32,6 +31,7 @@ from specforge_dspark.engines.served import ServedEngine
 from specforge_dspark.engines.server import (
     EngineServer,
     cli_flag,
+    cpu_thread_binding,
     engine_python,
     launch_env,
     prepend_path,
@@ -128,32 +128,14 @@ def server_env(
         prepend_path(env, CPU_SHIMS)
         if interpret_triton:  # Triton kernels (Inkling's) run in Triton's interpreter
             env["TRITON_INTERPRET"] = "1"
-        if ranks > 1 and THREADS_BIND not in env:  # SGLang's own per-rank core setting
-            env[THREADS_BIND] = cpu_thread_binding(ranks)
+        if THREADS_BIND not in env and (ranks > 1 or "OMP_NUM_THREADS" in env):
+            env[THREADS_BIND] = cpu_thread_binding(ranks, THREADS_BIND, env)
     return env
 
 
 THREADS_BIND = "SGLANG_CPU_OMP_THREADS_BIND"
 """The cores of each CPU-engine rank, `a-b|c-d` (utils/numa_utils.py: without it SGLang
-refuses more ranks than NUMA nodes)."""
-
-
-def cpu_thread_binding(ranks: int, cores: list[int] | None = None) -> str:
-    """This process's cores split into `ranks` contiguous groups, one per server rank
-    (tp x dp x pp of the CPU engine); ValueError when there are fewer cores than ranks."""
-    cores = sorted(os.sched_getaffinity(0)) if cores is None else sorted(cores)
-    if len(cores) < ranks:
-        raise ValueError(
-            f"target.sglang.server_args: {ranks} CPU-engine ranks (tp_size x dp_size x "
-            f"pp_size) need as many cores, this host gives {len(cores)}; set {THREADS_BIND}"
-        )
-    size, extra = divmod(len(cores), ranks)
-    groups, start = [], 0
-    for r in range(ranks):
-        group = cores[start : start + size + (r < extra)]
-        start += len(group)
-        groups.append(f"{group[0]}-{group[-1]}" if len(group) > 1 else str(group[0]))
-    return "|".join(groups)
+refuses more ranks than NUMA nodes, and one rank takes every core of its node)."""
 
 
 def server_ranks(args: list[str]) -> int:

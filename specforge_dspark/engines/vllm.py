@@ -41,6 +41,7 @@ from specforge_dspark.engines.served import ServedEngine
 from specforge_dspark.engines.server import (
     EngineServer,
     cli_flag,
+    cpu_thread_binding,
     engine_python,
     http_ok,
     launch_env,
@@ -56,6 +57,7 @@ CPU_SHIMS = Path(__file__).resolve().parent / "cpu" / "shims" / "vllm_cpu"
 CPU_SERVER_ARGS: dict[str, Any] = {"enforce_eager": True}
 """Defaults for a CPU server (`target.device: cpu`; target.vllm.server_args overrides
 them): eager mode skips torch.compile's C++ builds, ~60 s of a ~100 s start here."""
+THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"  # the CPU worker's cores (vllm/envs.py)
 CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE; vllm-cpu's default takes 4 GiB of host memory
 RESERVED = {
     "model": "target.path",
@@ -113,10 +115,13 @@ def server_env(
     cache, and with `triton_interpreter` (vLLM's V2 model runner, the one with DSpark)
     TRITON_INTERPRET=1 and the shims of cpu/shims/vllm_cpu/ first on PYTHONPATH
     (inherited by the engine-core and worker processes), whose sitecustomize registers the
-    Triton backend entry vLLM looks for. A GPU server gets neither."""
+    Triton backend entry vLLM looks for; where OMP_NUM_THREADS is set, the CPU worker's
+    cores capped to it (VLLM_CPU_OMP_THREADS_BIND). A GPU server gets none of these."""
     env = launch_env(base)
     if cpu:
         env["VLLM_CPU_KVCACHE_SPACE"] = CPU_KV_CACHE_GIB
+    if cpu and THREADS_BIND not in env and "OMP_NUM_THREADS" in env:
+        env[THREADS_BIND] = cpu_thread_binding(1, THREADS_BIND, env)
     if cpu and triton_interpreter:
         env["TRITON_INTERPRET"] = "1"
         prepend_path(env, CPU_SHIMS)
