@@ -1,5 +1,5 @@
-"""DSpark vs DFlash on the tiny target, same data, steps and block size: accept length by
-real speculative decoding (lossless, checked), with bootstrap intervals over prompts.
+"""Drafters side by side on the tiny target, same data, steps and block size: accept length
+by real speculative decoding (lossless, checked), with bootstrap intervals over prompts.
 
     python scripts/side_by_side.py --steps 80 --num-prompts 8 --max-new-tokens 32 \
         --out runs/side_by_side            (the defaults; about 2 minutes on 1 CPU rank)
@@ -9,6 +9,11 @@ then decodes the same held-out GSM8K prompts with each trained drafter and with 
 untrained one. Accept length = sum(committed) / sum(verify steps) (SGLang's
 completion_tokens / spec_verify_ct without the prefill's token); the 95% interval is a
 percentile bootstrap over prompts (seeded). Writes <out>/side_by_side.json.
+
+Arms other than the default two: `--arm NAME=KIND[,key=value...]` (repeatable), e.g. the
+DFlash objectives:
+    python scripts/side_by_side.py --arm default=dflash \
+        --arm dpace=dflash,objective.slot_weighting=dpace --arm lk=dflash,objective.divergence=lk
 
 On-policy data (the target's own answers, as DFlash drafters are trained; without it the
 tiny DFlash drafter barely leaves its untrained accept length in a few hundred steps):
@@ -31,6 +36,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 RECIPES = {"dspark": "recipes/tiny_cpu_small.yaml", "dflash": "recipes/tiny_cpu_dflash.yaml"}
+
+
+def parse_arm(text: str) -> tuple[str, str, list[str]]:
+    """`NAME=KIND[,key=value...]` -> (name, kind, overrides)."""
+    name, _, spec = text.partition("=")
+    kind, *overrides = spec.split(",")
+    if not name or kind not in RECIPES:
+        raise SystemExit(
+            f"--arm {text!r}: expected NAME=KIND[,key=value...], KIND in {list(RECIPES)}"
+        )
+    return name, kind, overrides
 
 
 def train(kind: str, out: Path, steps: int, port: int, nproc: int, extra: list[str]) -> Path:
@@ -70,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--out", default="runs/side_by_side")
     ap.add_argument("--nproc", type=int, default=1, help="training ranks (CPU processes)")
-    ap.add_argument("--skip-train", action="store_true", help="reuse <out>/<kind> runs")
+    ap.add_argument("--skip-train", action="store_true", help="reuse <out>/<name> runs")
+    ap.add_argument("--arm", action="append", default=[], help="NAME=KIND[,key=value...]")
     ap.add_argument("overrides", nargs="*", help="recipe overrides applied to both runs")
     args = ap.parse_args(argv)
 
@@ -92,26 +109,29 @@ def main(argv: list[str] | None = None) -> int:
     convs = load_conversations(parse_workload("gsm8k"), args.num_prompts)
     prompts = [render(tok, [{"role": "user", "content": c.turns[0]}]) for c in convs]
     results = {}
-    for i, kind in enumerate(RECIPES):
-        run = out / kind
+    arms = [parse_arm(a) for a in args.arm] or [(kind, kind, []) for kind in RECIPES]
+    for i, (name, kind, arm_overrides) in enumerate(arms):
+        run, overrides = out / name, [*args.overrides, *arm_overrides]
         export = run / "export" / "sglang"
         if not args.skip_train:
-            export = train(kind, run, args.steps, 29850 + i, args.nproc, args.overrides)
+            export = train(kind, run, args.steps, 29850 + i, args.nproc, overrides)
         torch.manual_seed(0)
-        recipe = load_recipe(REPO / RECIPES[kind], ["train.eval_interval=0", *args.overrides])
+        recipe = load_recipe(REPO / RECIPES[kind], ["train.eval_interval=0", *overrides])
         untrained = new_draft(recipe.draft)
         for label, draft in (("untrained", untrained), ("trained", export)):
+            if label == "untrained" and any(k == kind for _, k, _ in arms[:i]):
+                continue  # one untrained drafter per kind
             rows = decode_prompts(target, draft, prompts, args.max_new_tokens)
             lo, hi = bootstrap(rows)
-            results[f"{kind}/{label}"] = {
+            results[f"{name}/{label}"] = {
                 "accept_length": accept_length(rows),
                 "ci95": [lo, hi],
                 "per_position": per_position(rows),
                 "prompts": len(rows),
                 "steps": sum(r["steps"] for r in rows),
             }
-            r = results[f"{kind}/{label}"]
-            line = f"{kind:>6} {label:>9}: accept length {r['accept_length']:.3f}"
+            r = results[f"{name}/{label}"]
+            line = f"{name:>8} {label:>9}: accept length {r['accept_length']:.3f}"
             print(f"{line} [{lo:.3f}, {hi:.3f}] over {len(rows)} prompts, lossless", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"steps": args.steps, "max_new_tokens": args.max_new_tokens, "block_size": 16}

@@ -82,7 +82,9 @@ def test_sliding_mask_is_causal_inside_the_block_and_windowed():
 
 def naive_loss(draft, head, ids, mask, aux, last, anchors, obj):
     """Block by block through `propose`'s own forward: rows 1..G-1 of the block at a
-    predict x[a+1..a+G-1], teacher lm_head(last[a+k]) over the logical rows."""
+    predict x[a+1..a+G-1], teacher lm_head(last[a+k]) over the logical rows. Slot weights
+    exp(-k / gamma) over their sum, or D-PACE's over the supervised slot count (looped
+    products of the smoothed confidences); the divergence L1 or -log sum(min(p, q))."""
     G, S = draft.config.block_size, ids.shape[1]
     ctx = draft.context(aux)
     total, weight = 0.0, 0.0
@@ -105,33 +107,64 @@ def naive_loss(draft, head, ids, mask, aux, last, anchors, obj):
         teacher_idx = (a + torch.arange(G - 1)).clamp(max=S - 1)
         p = torch.softmax(head.teacher_logits(last[0, teacher_idx])[:, :64], -1)
         p = torch.cat([p, p.new_zeros(G - 1, q.shape[-1] - 64)], -1)
+        slots = []  # (ce, divergence) of the block's supervised prefix
         for k in range(G - 1):
             t = a + k + 1
             if t >= S or not mask[0, t]:
                 break
-            w = math.exp(-k / obj.gamma)
             ce = -torch.log(q[k, ids[0, t]])
-            l1 = (q[k] - p[k]).abs().sum()
-            total = total + w * (obj.ce_weight * ce + obj.l1_weight * l1)
-            weight += w
+            if obj.divergence == "lk":
+                div = -torch.log(torch.minimum(q[k], p[k]).sum())
+            else:
+                div = (q[k] - p[k]).abs().sum()
+            slots.append((ce, div))
+        conf = [
+            (1 - obj.dpace_alpha) * math.exp(-float(ce.detach())) + obj.dpace_alpha
+            for ce, _ in slots
+        ]
+        for k, (ce, div) in enumerate(slots):
+            if obj.slot_weighting == "dpace":
+                w = sum(math.prod(conf[: t + 1]) for t in range(k, len(slots)))
+                weight += 1.0
+            else:
+                w = math.exp(-k / obj.gamma)
+                weight += w
+            total = total + w * (obj.ce_weight * ce + obj.l1_weight * div)
     return total / weight
 
 
-def test_loss_equals_the_naive_reference_and_chunking_changes_nothing():
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"slot_weighting": "dpace"},
+        {"divergence": "lk"},
+        {"slot_weighting": "dpace", "dpace_alpha": 0.2, "divergence": "lk"},
+    ],
+)
+def test_loss_equals_the_naive_reference_and_chunking_changes_nothing(options):
+    """The default objective, D-PACE weights and the LK divergence: loss and gradients as
+    the per-block loop reference's; chunking changes nothing."""
     draft, head = draft_and_head()
     ids, mask, aux, last = batch(draft)
     anchors = [3, 6, 9, 13]
     anchors_BN, valid = torch.tensor([anchors]), torch.ones(1, 4, dtype=torch.bool)
-    obj = ObjectiveRecipe(num_anchors=4, bce_weight=0.0, chunk_size=0)
-    out = compute_loss_at(draft, head, ids, mask, aux, last, anchors_BN, valid, obj)
+    obj = ObjectiveRecipe(num_anchors=4, bce_weight=0.0, chunk_size=0, **options)
     ref = naive_loss(draft, head, ids, mask, aux, last, anchors, obj)
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in draft.named_parameters()}
+    draft.zero_grad()
+    out = compute_loss_at(draft, head, ids, mask, aux, last, anchors_BN, valid, obj)
     torch.testing.assert_close(out.loss, ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out.metrics["loss"], ref.detach(), rtol=1e-10, atol=1e-12)
     assert out.metrics["alpha"].shape == (draft.config.block_size - 1,)
 
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in draft.named_parameters()}
+    for n, g in ref_grads.items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-8, atol=1e-11, msg=n)
     draft.zero_grad()
-    chunked = ObjectiveRecipe(num_anchors=4, bce_weight=0.0, chunk_size=1)
+    chunked = ObjectiveRecipe(**{**obj.__dict__, "chunk_size": 1})
     out1 = compute_loss_at(draft, head, ids, mask, aux, last, anchors_BN, valid, chunked)
     out1.loss.backward()
     torch.testing.assert_close(out1.loss, out.loss, rtol=1e-12, atol=0)

@@ -123,12 +123,15 @@ def teacher_logits(head, h_H):
 
 
 def reference(draft, head, batch, anchors_BN, valid_BN, obj=OBJ):
-    """Explicit loops over sequences, anchors and slots; float64; autograd for gradients."""
+    """Explicit loops over sequences, anchors and slots; float64; autograd for gradients.
+    The trained loss follows obj.slot_weighting and obj.divergence; the ce/l1/bce metrics
+    are the decay-weighted means whatever they are."""
     ids, lm = batch["input_ids_BS"], batch["loss_mask_BS"]
     aux, last = batch["aux_hidden_BSD"], batch["last_hidden_BSH"]
     B = ids.shape[0]
     num = {"ce": 0.0, "l1": 0.0, "bce": 0.0}
     wsum = 0.0
+    objective, slot_count = 0.0, 0
     per_k = {m: [[] for _ in range(G)] for m in ("alpha", "top1", "ce_k", "conf_err")}
     block_accepts = []  # per valid block: greedy accept count over its supervised slots
     block_expected = []  # per valid block: sum_k prod_{i<=k} alpha_i over its supervised slots
@@ -156,6 +159,7 @@ def reference(draft, head, batch, anchors_BN, valid_BN, obj=OBJ):
                 h_GH[None, None], head.logits(h_GH)[None, None], prev[None, None]
             )
             accepting, n_accepted, survive, n_expected = True, 0, 1.0, 0.0
+            block = []  # per supervised slot: (ce, trained divergence, bce)
             for k in range(G):
                 t = a + k + 1
                 if t >= S or not lm[b, t]:
@@ -167,6 +171,7 @@ def reference(draft, head, batch, anchors_BN, valid_BN, obj=OBJ):
                 ce = -torch.log(q[ids[b, t]])
                 l1 = (q - p).abs().sum()
                 alpha = torch.minimum(p, q.detach()).sum()
+                div = l1 if obj.divergence == "l1" else -torch.log(torch.minimum(p, q).sum())
                 if conf_G is None:
                     bce, err = 0.0, math.nan
                 else:
@@ -178,6 +183,7 @@ def reference(draft, head, batch, anchors_BN, valid_BN, obj=OBJ):
                 num["l1"] = num["l1"] + w * l1
                 num["bce"] = num["bce"] + w * bce
                 wsum += w
+                block.append((ce, div, bce))
                 per_k["alpha"][k].append(float(alpha))
                 top1 = bool(q.argmax() == p.argmax())
                 per_k["top1"][k].append(float(top1))
@@ -189,8 +195,20 @@ def reference(draft, head, batch, anchors_BN, valid_BN, obj=OBJ):
                 per_k["conf_err"][k].append(err)
             block_accepts.append(n_accepted)
             block_expected.append(n_expected)
+            for k, (ce, div, bce) in enumerate(block):
+                if obj.slot_weighting == "dpace":  # d(sum_t prod_{j<=t} c_j) / d(log c_k)
+                    c = [
+                        (1 - obj.dpace_alpha) * math.exp(-float(x[0].detach())) + obj.dpace_alpha
+                        for x in block
+                    ]
+                    w = sum(math.prod(c[: t + 1]) for t in range(k, len(block)))
+                else:
+                    w = math.exp(-k / obj.gamma)
+                term = obj.ce_weight * ce + obj.l1_weight * div + obj.bce_weight * bce
+                objective = objective + w * term
+                slot_count += 1
     terms = {k: torch.as_tensor(v / wsum, dtype=torch.float64) for k, v in num.items()}
-    loss = obj.ce_weight * terms["ce"] + obj.l1_weight * terms["l1"] + obj.bce_weight * terms["bce"]
+    loss = torch.as_tensor(objective / (slot_count if obj.slot_weighting == "dpace" else wsum))
     draft.zero_grad(set_to_none=True)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in draft.named_parameters()}
@@ -257,6 +275,32 @@ def test_float32_matches_float64_reference():
     assert_close_metrics(metrics, ref_metrics, rtol=1e-4)
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name].double(), g, rtol=1e-3, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"slot_weighting": "dpace"},
+        {"divergence": "lk"},
+        {"slot_weighting": "dpace", "dpace_alpha": 0.0, "divergence": "lk"},
+    ],
+)
+def test_accept_length_objectives_match_reference_float64(options):
+    """D-PACE weights and the LK divergence with a confidence head and chunks: the trained
+    loss, its gradients and the metrics (ce/l1/bce decay-weighted, loss the objective) as
+    the loop reference's."""
+    draft, head = make_models()
+    draft, head, batch = to64(draft, head, make_batch())
+    anchors = anchors_for(batch)
+    obj = ObjectiveRecipe(**{**OBJ.__dict__, "chunk_size": 4, **options})
+    loss, metrics, grads = run(draft, head, batch, anchors, obj)
+    ref_metrics, ref_grads = reference(draft, head, batch, *anchors, obj)
+    assert_close_metrics(metrics, ref_metrics, rtol=1e-9)
+    assert float(loss) == pytest.approx(ref_metrics["loss"], rel=1e-12)
+    default_loss = run(draft, head, batch, anchors)[0]
+    assert abs(float(loss) - float(default_loss)) > 1e-3  # the option changes what trains
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-9, atol=1e-11, msg=name)
 
 
 @pytest.mark.parametrize("markov", ["gated", "rnn"])

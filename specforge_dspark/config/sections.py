@@ -131,6 +131,13 @@ class ObjectiveRecipe:
     """on: checkpoint each decoder chunk; off: keep them all; auto: by training/memory.py."""
     selector_weight: float = 1.0
     """dflash2: weight of the selector's K-way cross-entropy (objective/selector_loss.py)."""
+    slot_weighting: Literal["decay", "dpace"] = "decay"
+    """decay: exp(-k / gamma); dpace: D-PACE's weights from the drafter's own per-slot
+    confidences, the gradient of the expected accept length (objective/acceptance.py)."""
+    dpace_alpha: float = 0.5
+    """D-PACE's confidence smoothing, in [0, 1] (1 = every slot's weight its suffix length)."""
+    divergence: Literal["l1", "lk"] = "l1"
+    """The distillation term l1_weight scales: l1 (= 2 TV), or lk, -log alpha (LK loss)."""
 
 
 @dataclass

@@ -88,6 +88,7 @@ def validate(r: Recipe) -> list[str]:
     need(o.gamma > 0, f"objective.gamma must be > 0, got {o.gamma}")
     need(o.chunk_size >= 0, f"objective.chunk_size must be >= 0, got {o.chunk_size}")
     need(o.decode_chunk_size >= 0, "objective.decode_chunk_size must be >= 0")
+    need(0 <= o.dpace_alpha <= 1, f"objective.dpace_alpha must be in [0, 1], got {o.dpace_alpha}")
 
     p = r.optim
     need(p.lr > 0, f"optim.lr must be > 0, got {p.lr}")

@@ -140,10 +140,16 @@ def compute_loss_at(
     X = B * N
     chunk = X if obj.chunk_size <= 0 else min(obj.chunk_size, X)  # blocks per vocab chunk
 
-    weight_sum = bl.weight_BNG.sum()
+    # [decay weight sum, supervised slots] over the data-parallel group: the normaliser of
+    # the fixed decay weights, or of D-PACE's (counted per supervised slot)
+    sums_2 = torch.stack([bl.weight_BNG.sum(), bl.eval_mask_BNG.sum().to(bl.weight_BNG.dtype)])
     if pooled:
-        dist.all_reduce(weight_sum, group=group)
-    coef_BNG = bl.weight_BNG * (world / weight_sum.clamp_min(1e-12))
+        dist.all_reduce(sums_2, group=group)
+    weight_sum = sums_2[0]
+    if obj.slot_weighting == "dpace":  # the D-PACE weights multiply in, per chunk
+        coef_BNG = bl.eval_mask_BNG.to(sums_2.dtype) * (world / sums_2[1].clamp_min(1.0))
+    else:
+        coef_BNG = bl.weight_BNG * (world / weight_sum.clamp_min(1e-12))
 
     # Decoder: context features and each layer's context keys and values once, then the
     # blocks about `obj.decode_chunk_size` blocks at a time over them, each chunk
@@ -188,9 +194,9 @@ def compute_loss_at(
         top_k=0 if extra is None else extra.top_k(draft),
     )
     params = [p for p in draft.parameters() if p.requires_grad] if need_grads else []
-    loss, stats_6XG = FusedVocabLoss.apply(plan, h_BNGH.reshape(X, G, -1), *params)
-    stats_6BNG = stats_6XG.view(6, B, N, G)
-    metrics = pooled_metrics(stats_6BNG, bl, obj, weight_sum, skipped, pooled, group)
+    loss, stats_8XG = FusedVocabLoss.apply(plan, h_BNGH.reshape(X, G, -1), *params)
+    stats_8BNG = stats_8XG.view(-1, B, N, G)
+    metrics = pooled_metrics(stats_8BNG, bl, obj, weight_sum, skipped, pooled, group)
     if extra is not None:
         term, more = extra(
             draft,

@@ -12,20 +12,21 @@ from torch import Tensor
 
 from specforge_dspark.config.recipe import ObjectiveRecipe
 from specforge_dspark.objective.blocks import Blocks
-from specforge_dspark.objective.vocab_loss import weighted_terms
+from specforge_dspark.objective.vocab_loss import objective_value, weighted_terms
 
 
 @dataclass
 class LossOutput:
     """`loss` is what this rank backpropagates; `metrics` are pooled over the DP group.
 
-    Metrics (detached): loss, ce, l1, bce (0-d; the pooled weighted means whose rank-average
-    gradient the ranks' `loss` produce); alpha, top1, ce_k, conf_err ([G]; means over
-    supervised slots at position k, NaN where there is none); tau (0-d, the per-block
-    greedy accept length averaged over valid blocks, see the module docstring; NaN
-    without a block) and tau_expected (0-d, the per-block expected accept length from the
-    slots' acceptance probabilities, averaged the same way); valid_blocks,
-    supervised_slots, weight_sum, sequences_skipped (0-d counts).
+    Metrics (detached): loss (0-d; the pooled objective whose rank-average gradient the
+    ranks' `loss` produce); ce, l1, bce (0-d; their means under the fixed decay weights,
+    whatever objective.slot_weighting and divergence train, so that runs compare); alpha,
+    top1, ce_k, conf_err ([G]; means over supervised slots at position k, NaN where there
+    is none); tau (0-d, the per-block greedy accept length averaged over valid blocks, see
+    the module docstring; NaN without a block) and tau_expected (0-d, the per-block
+    expected accept length from the slots' acceptance probabilities, averaged the same
+    way); valid_blocks, supervised_slots, weight_sum, sequences_skipped (0-d counts).
     """
 
     loss: Tensor
@@ -59,7 +60,7 @@ def expected_accepts(alpha_BNG: Tensor, eval_mask_BNG: Tensor) -> Tensor:
 
 
 def pooled_metrics(
-    stats_6BNG: Tensor,
+    stats_8BNG: Tensor,
     bl: Blocks,
     obj: ObjectiveRecipe,
     weight_sum: Tensor,
@@ -68,7 +69,7 @@ def pooled_metrics(
     group: dist.ProcessGroup | None,
 ) -> dict[str, Tensor]:
     """Pool per-slot statistics over the group (one all-reduce) into logging metrics."""
-    stats = stats_6BNG.detach().to(torch.float64)
+    stats = stats_8BNG.detach().to(torch.float64)
     mask_BNG = bl.eval_mask_BNG.to(torch.float64)
     G = mask_BNG.shape[-1]
     # unnormalised sums of w * term; summed over ranks and divided by the pooled W below
@@ -77,16 +78,18 @@ def pooled_metrics(
     accepted = float(accepted_drafts(stats[5], bl.eval_mask_BNG).sum())
     expected = float(expected_accepts(stats[2], bl.eval_mask_BNG).sum())
     valid = float(bl.block_valid_BN.sum())
-    counts = stats.new_tensor([valid, float(skipped), accepted, expected])
+    # this rank's share of the pooled objective (its coefficients carry world / W)
+    world = dist.get_world_size(group) if pooled else 1
+    share = float(objective_value(stats, obj)) / world
+    counts = stats.new_tensor([valid, float(skipped), accepted, expected, share])
     packed = torch.cat([terms_3, mask_BNG.sum(dim=(0, 1)), *per_k, counts])
     if pooled:
         dist.all_reduce(packed, group=group)
-    terms_3, n_G, alpha_G, top1_G, ce_G, calib_G, counts = packed.split([3, G, G, G, G, G, 4])
+    terms_3, n_G, alpha_G, top1_G, ce_G, calib_G, counts = packed.split([3, G, G, G, G, G, 5])
     terms_3 = terms_3 / weight_sum.clamp_min(1e-12)
-    w_3 = terms_3.new_tensor([obj.ce_weight, obj.l1_weight, obj.bce_weight])
     alpha_G = alpha_G / n_G
     return {
-        "loss": (w_3 * terms_3).sum(),
+        "loss": counts[4],
         "ce": terms_3[0],
         "l1": terms_3[1],
         "bce": terms_3[2],

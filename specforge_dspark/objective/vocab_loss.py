@@ -69,6 +69,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specforge_dspark.config.recipe import ObjectiveRecipe
+from specforge_dspark.objective.acceptance import divergence, dpace_weights
 from specforge_dspark.objective.frozen_head import FrozenHead
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,10 @@ class SlotTerms:
     ce_M: Tensor
     l1_M: Tensor
     alpha_M: Tensor
+    div_M: Tensor
+    """The trained divergence (objective.divergence): L1 itself by default."""
+    coef_M: Tensor
+    """The slot's coefficient in the loss (objective.slot_weighting applied)."""
     bce_M: Tensor
     """Zeros when the draft has no confidence head."""
     calib_M: Tensor
@@ -142,9 +147,11 @@ def slot_terms_(
     conf_M: Tensor | None,
     teacher_logits_MV: Tensor,
     labels_M: Tensor,
-    coef_M: Tensor | None,
+    coef_M: Tensor,
     obj: ObjectiveRecipe,
     logical_vocab: int,
+    slots: int,
+    need_grads: bool,
 ) -> SlotTerms:
     """CE, L1 (= 2 TV), alpha, BCE per slot, and the gradient of their weighted sum.
 
@@ -152,11 +159,14 @@ def slot_terms_(
     them (SGLang's draft argmax does); the teacher's p over the first `logical_vocab` rows
     only, with p = 0 exactly on the padded rows (the target never emits them). Both
     tensors are CONSUMED: used as scratch in place, so each vocab-sized step costs no
-    allocation. Softmaxes run in (at least) float32. With `coef_M` (slot weight times the
-    normaliser) given, also returns the gradient of
-    sum_M coef * (ce_w*CE + l1_w*L1 + bce_w*BCE) wrt logits_MV and conf_M:
+    allocation. Softmaxes run in (at least) float32. `coef_M` is each slot's weight times
+    the normaliser; with objective.slot_weighting dpace it is the normaliser on supervised
+    slots, times the D-PACE weights computed here (objective/acceptance.py; M = blocks x
+    `slots`). With `need_grads`, also returns the gradient of
+    sum_M coef * (ce_w*CE + l1_w*DIV + bce_w*BCE) wrt logits_MV and conf_M:
       dCE/dz = q - onehot(y);  dL1/dz = q * (s - <s, q>), s = sign(q - p);
-      dBCE/dconf = sigmoid(conf) - alpha  (alpha is a detached soft label).
+      dBCE/dconf = sigmoid(conf) - alpha  (alpha is a detached soft label);
+    DIV (objective.divergence) is L1, or -log alpha whose gradient is L1's times 1 / (2 alpha).
     On a padded row p = 0, so s = +1 there and both gradients push its logit down.
     """
     f = torch.promote_types(logits_MV.dtype, torch.float32)
@@ -173,6 +183,11 @@ def slot_terms_(
         d_MV = torch.sub(q_MV, p_MV, out=p_MV)  # q - p, in p's storage
         l1_M = torch.linalg.vector_norm(d_MV, ord=1, dim=-1)
         alpha_M = (1.0 - 0.5 * l1_M).clamp(0.0, 1.0)
+        div_M, div_scale_M = divergence(obj.divergence, l1_M, alpha_M)
+        coef_M = coef_M.to(f)
+        if obj.slot_weighting == "dpace":
+            conf_XG, mask_XG = torch.exp(-ce_M).view(-1, slots), (coef_M > 0).view(-1, slots)
+            coef_M = coef_M * dpace_weights(conf_XG, mask_XG, obj.dpace_alpha).view(-1)
         if conf_M is None:
             bce_M = torch.zeros_like(l1_M)
             calib_M = torch.full_like(l1_M, math.nan)
@@ -181,9 +196,10 @@ def slot_terms_(
             bce_M = F.binary_cross_entropy_with_logits(c_M, alpha_M, reduction="none")
             calib_M = (torch.sigmoid(c_M) - alpha_M).abs()
         dlogits_MV = dconf_M = None
-        if coef_M is not None:
-            c_ce_M1 = (obj.ce_weight * coef_M.to(f))[:, None]
-            c_l1_M1 = (obj.l1_weight * coef_M.to(f))[:, None]
+        if need_grads:
+            c_ce_M1 = (obj.ce_weight * coef_M)[:, None]
+            c_div_M = obj.l1_weight * coef_M
+            c_l1_M1 = (c_div_M if div_scale_M is None else c_div_M * div_scale_M)[:, None]
             s_MV = d_MV.sign_()
             sq_M1 = torch.einsum("mv,mv->m", s_MV, q_MV)[:, None]
             # q * (c_l1 * (s - <s,q>) + c_ce) - c_ce * onehot(y), in s's storage
@@ -191,9 +207,11 @@ def slot_terms_(
             s_MV.scatter_add_(1, labels_M[:, None], -c_ce_M1)
             dlogits_MV = s_MV.to(logits_MV.dtype)
             if conf_M is not None:
-                dconf_M = obj.bce_weight * coef_M.to(f) * (torch.sigmoid(c_M) - alpha_M)
+                dconf_M = obj.bce_weight * coef_M * (torch.sigmoid(c_M) - alpha_M)
                 dconf_M = dconf_M.to(conf_M.dtype)
-    return SlotTerms(ce_M, l1_M, alpha_M, bce_M, calib_M, top1_M, dlogits_MV, dconf_M)
+    return SlotTerms(
+        ce_M, l1_M, alpha_M, div_M, coef_M, bce_M, calib_M, top1_M, dlogits_MV, dconf_M
+    )
 
 
 # --------------------------------------------------------------------------- fused vocab part
@@ -238,15 +256,15 @@ class FusedVocabLoss(torch.autograd.Function):
     backward.
 
     Inputs: h_XGH (X = B*N blocks) and the draft's trainable parameters. Outputs: the
-    scalar loss (differentiable) and the per-slot statistics [6, X, G] (ce, l1, alpha, bce,
-    calib, top1; not differentiable).
+    scalar loss (differentiable) and the per-slot statistics [8, X, G] (STATS; not
+    differentiable).
     """
 
     @staticmethod
     def forward(ctx, plan: VocabPlan, h_XGH: Tensor, *params: Tensor):
         X, G, _ = h_XGH.shape
         f = torch.promote_types(h_XGH.dtype, torch.float32)
-        stats_6XG = h_XGH.new_zeros((6, X, G), dtype=f)
+        stats_8XG = h_XGH.new_zeros((len(STATS), X, G), dtype=f)
         grad_h_XGH = torch.zeros_like(h_XGH) if plan.need_grads else None
         # Parameter gradients are summed over the chunks in (at least) float32 and cast to
         # the parameter's dtype once, in backward: a bf16 running sum would round each add.
@@ -261,18 +279,18 @@ class FusedVocabLoss(torch.autograd.Function):
             )
         for lo in range(0, X, plan.chunk):
             sl = slice(lo, min(lo + plan.chunk, X))
-            stats_6XG[:, sl], grads = vocab_chunk(plan, sl, h_XGH[sl], params)
+            stats_8XG[:, sl], grads = vocab_chunk(plan, sl, h_XGH[sl], params)
             if grads is not None:
                 grad_h_XGH[sl] = grads[0]
                 for i, g in enumerate(grads[1:]):
                     if g is not None:
                         grad_P[i] = g.to(f) if grad_P[i] is None else grad_P[i].add_(g)
             del grads  # this chunk's parameter gradients: added, not kept into the next chunk
-        loss = weighted_terms(stats_6XG, plan.coef_XG, plan.obj)[0]
+        loss = objective_value(stats_8XG, plan.obj)
         ctx.grads = (grad_h_XGH, grad_P)
         ctx.param_dtypes = [p.dtype for p in params]
-        ctx.mark_non_differentiable(stats_6XG)
-        return loss, stats_6XG
+        ctx.mark_non_differentiable(stats_8XG)
+        return loss, stats_8XG
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _grad_stats: Tensor):
@@ -288,7 +306,7 @@ class FusedVocabLoss(torch.autograd.Function):
 def vocab_chunk(
     plan: VocabPlan, sl: slice, h_CGH: Tensor, params: tuple[Tensor, ...]
 ) -> tuple[Tensor, tuple[Tensor | None, ...] | None]:
-    """Statistics [6, C, G] of the blocks `sl` and, when training, the gradients of their
+    """Statistics [8, C, G] of the blocks `sl` and, when training, the gradients of their
     loss wrt h_CGH and `params`. No vocab-sized tensor outlives the call."""
     head, V, G = plan.head, plan.head.vocab_rows, h_CGH.shape[1]
     # [1, C, G, H] with canonical strides (slice, then unsqueeze): F.linear folds it into one
@@ -317,26 +335,41 @@ def vocab_chunk(
         None if conf_1CG is None else conf_1CG.reshape(-1),
         teacher_1CGV.reshape(-1, V),
         plan.labels_XG[sl].reshape(-1),
-        plan.coef_XG[sl].reshape(-1) if plan.need_grads else None,
+        plan.coef_XG[sl].reshape(-1),
         plan.obj,
         head.logical_vocab,
+        G,
+        plan.need_grads,
     )
-    stats_6CG = torch.stack((t.ce_M, t.l1_M, t.alpha_M, t.bce_M, t.calib_M, t.top1_M))
-    stats_6CG = stats_6CG.view(6, -1, G)
+    stats_8CG = torch.stack(
+        (t.ce_M, t.l1_M, t.alpha_M, t.bce_M, t.calib_M, t.top1_M, t.div_M, t.coef_M)
+    ).view(len(STATS), -1, G)
     if not plan.need_grads:
-        return stats_6CG, None
+        return stats_8CG, None
     outs, grad_outs = [logits_1CGV], [t.dlogits_MV.view_as(logits_1CGV)]
     if conf_1CG is not None:
         outs.append(conf_1CG)
         grad_outs.append(t.dconf_M.view_as(conf_1CG))
     grads = torch.autograd.grad(outs, [h_1CGH, *params], grad_outs, allow_unused=True)
-    return stats_6CG, (grads[0][0], *grads[1:])
+    return stats_8CG, (grads[0][0], *grads[1:])
 
 
-def weighted_terms(stats_6Y: Tensor, coef_Y: Tensor, obj: ObjectiveRecipe) -> tuple[Tensor, Tensor]:
-    """Loss sum_slots coef * (ce_w*CE + l1_w*L1 + bce_w*BCE) and its three terms [3]
-    (Y: the slot dims, [X, G] or [B, N, G])."""
-    c_Y = coef_Y.to(stats_6Y.dtype)
-    terms_3 = torch.stack([(c_Y * stats_6Y[i]).sum() for i in (0, 1, 3)])
+STATS = ("ce", "l1", "alpha", "bce", "calib", "top1", "div", "coef")
+"""The rows of FusedVocabLoss's per-slot statistics: SlotTerms' values; `div` is the
+trained divergence (L1 by default), `coef` the slot's coefficient in the loss."""
+
+
+def weighted_terms(stats_8Y: Tensor, coef_Y: Tensor, obj: ObjectiveRecipe) -> tuple[Tensor, Tensor]:
+    """sum_slots coef * (ce_w*CE + l1_w*L1 + bce_w*BCE) and its three terms [3] (Y: the slot
+    dims, [X, G] or [B, N, G]): the default objective's value under weights `coef_Y`."""
+    c_Y = coef_Y.to(stats_8Y.dtype)
+    terms_3 = torch.stack([(c_Y * stats_8Y[i]).sum() for i in (0, 1, 3)])
     w_3 = terms_3.new_tensor([obj.ce_weight, obj.l1_weight, obj.bce_weight])
     return (w_3 * terms_3).sum(), terms_3
+
+
+def objective_value(stats_8Y: Tensor, obj: ObjectiveRecipe) -> Tensor:
+    """The trained loss, sum_slots coef * (ce_w*CE + l1_w*DIV + bce_w*BCE), with the
+    coefficients and divergence the chunks used (equal to weighted_terms' for the defaults)."""
+    ce, div, bce, coef = (stats_8Y[STATS.index(n)] for n in ("ce", "div", "bce", "coef"))
+    return (coef * (obj.ce_weight * ce + obj.l1_weight * div + obj.bce_weight * bce)).sum()
