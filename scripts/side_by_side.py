@@ -12,8 +12,9 @@ percentile bootstrap over prompts (seeded). Writes <out>/side_by_side.json.
 
 Arms other than the default two: `--arm NAME=KIND[,key=value...]` (repeatable), e.g. the
 DFlash objectives:
-    python scripts/side_by_side.py --arm default=dflash \
-        --arm dpace=dflash,objective.slot_weighting=dpace --arm lk=dflash,objective.divergence=lk
+    python scripts/side_by_side.py --arm decay=dflash,objective.slot_weighting=decay \
+        --arm dpace=dflash,objective.slot_weighting=dpace \
+        --arm lk=dflash,objective.slot_weighting=decay,objective.divergence=lk
 
 On-policy data (the target's own answers, as DFlash drafters are trained; without it the
 tiny DFlash drafter barely leaves its untrained accept length in a few hundred steps):

@@ -243,6 +243,7 @@ def test_dflash_kinds(tmp_path, kind):
     assert d["kind"] == kind and d["block_size"] == 16
     assert d["layer_types"] == ["sliding_attention"] * d["num_hidden_layers"]
     assert raw["objective"]["bce_weight"] == 0.0 and raw["export"]["formats"] == ["sglang"]
+    assert raw["objective"]["slot_weighting"] == "dpace"  # the DFlash recipes' D-PACE
     assert (d.get("selector_rank"), d.get("selector_top_k")) == (
         (64, 16) if kind == "dflash2" else (None, None)
     )
