@@ -37,7 +37,7 @@ export VLLM_NO_USAGE_STATS := 1
 export PYTHONUNBUFFERED := 1
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup vllm-venv sglang-venv demo quality test test-quick lint format bench tiny-target tiny-targets clean
+.PHONY: setup vllm-venv sglang-venv demo quality bakeoff test test-quick lint format bench tiny-target tiny-targets clean
 
 setup: $(STAMP)
 
@@ -105,6 +105,12 @@ demo: setup tiny-target
 # about 30 minutes, the regenerated data cached in .cache/quality.
 quality: setup tiny-target
 	$(PY) scripts/quality.py --nproc $(NPROC)
+
+# DSpark, DFlash and DFlash2 trained in one job from one stream of the tiny Inkling target,
+# judged per workload against the n-gram drafter and per draft FLOP (runs/bakeoff/summary.json,
+# summary.png, losses.md); shares make quality's cached on-policy data (.cache/quality).
+bakeoff: setup tiny-target
+	$(PY) scripts/bakeoff.py --nproc $(NPROC)
 
 # The whole suite (live CPU SGLang and vLLM servers, each in its own venv, and fault drills
 # included); the slowest 40 tests are printed so that the suite's cost stays visible. The

@@ -7,7 +7,9 @@
 main(argv) -> load_recipe -> build -> train. Each rank streams the target's aux hidden
 states for its shard of the data (FeatureStream), runs the draft over sampled anchor
 blocks, and DeepSpeed (ZeRO) steps the draft; the target's embedding and LM head are
-frozen and replicated outside the optimizer. Importing this file does nothing.
+frozen and replicated outside the optimizer. A recipe's `companions` are more drafters fed
+by the same features, each its own engine (training/drafters.py). Importing this file
+does nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from specforge_dspark.config.recipe import Recipe, RecipeError, load_recipe
 from specforge_dspark.training.build import Run, build
+from specforge_dspark.training.drafters import Drafter
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -126,53 +129,63 @@ def anchor_generator(run: Run, micro_step: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed % (2**63))
 
 
-def objective(run: Run, feats, generator: torch.Generator):
-    """The loss and metrics of one batch of features (the drafter kind's loss, registry.py)."""
+def objective(run: Run, d: Drafter, feats, generator: torch.Generator):
+    """Drafter d's loss and metrics of one batch of features (its kind's loss, registry.py)."""
     from specforge_dspark.drafters.registry import loss_fn
 
     f = feats.to(run.device)
-    return loss_fn(run.recipe.draft.kind)(
-        run.engine.module,
+    return loss_fn(d.recipe.draft.kind)(
+        d.engine.module,
         run.head,
         f.input_ids,
         f.loss_mask,
         f.aux_hidden,
         f.last_hidden,
-        run.recipe.objective,
+        d.recipe.objective,
         generator,
         position_ids_BS=f.position_ids,
     )
 
 
-def train_step(run: Run, feats, micro_step: int, guard):
-    """Forward + backward of one micro-batch; returns the objective's output, or None
-    when this step's update is skipped (nonfinite.py: samples with non-finite features
-    are masked out first; a non-finite loss on any rank makes every rank backpropagate a
-    NaN surrogate instead, which DeepSpeed's overflow check turns into a skipped update)."""
-    from specforge_dspark.training.nonfinite import nan_loss
+def screen(run: Run, feats, micro_step: int):
+    """The micro-batch on the device, once for every drafter: samples with non-finite
+    features masked out (each drafter's guard counts them), then packed (data.pack)."""
     from specforge_dspark.training.packing import pack_features
 
-    feats = guard.screen(feats.to(run.device), micro_step)  # per conversation
+    feats = feats.to(run.device)
+    for d in run.drafters:  # per conversation; the same rows cleared for every drafter
+        screened = d.guard.screen(feats, micro_step)
     if run.pack_of is not None:  # data.pack: the conversations as their packed sequences
-        feats = pack_features(feats, run.pack_of)
-    out = objective(run, feats, anchor_generator(run, micro_step))
-    boundary = run.engine.is_gradient_accumulation_boundary()
-    loss = guard.check(out.loss, feats.sample_ids, micro_step, boundary)  # collective
-    run.engine.backward(nan_loss(run.engine.module) if loss is None else loss)
+        screened = pack_features(screened, run.pack_of)
+    return screened
+
+
+def train_step(run: Run, d: Drafter, feats, micro_step: int):
+    """Forward + backward of drafter d on one micro-batch; returns the objective's output,
+    or None when this step's update is skipped (nonfinite.py: a non-finite loss on any
+    rank makes every rank backpropagate a NaN surrogate instead, which DeepSpeed's
+    overflow check turns into a skipped update)."""
+    from specforge_dspark.training.nonfinite import nan_loss
+
+    out = objective(run, d, feats, anchor_generator(run, micro_step))  # the same anchors
+    boundary = d.engine.is_gradient_accumulation_boundary()
+    loss = d.guard.check(out.loss, feats.sample_ids, micro_step, boundary)  # collective
+    d.engine.backward(nan_loss(d.engine.module) if loss is None else loss)
     return None if loss is None else out
 
 
 @torch.no_grad()
-def eval_step(run: Run, feats, index: int) -> dict:
+def eval_step(run: Run, d: Drafter, feats, index: int) -> dict:
     """Teacher-forced metrics of one eval batch (fixed anchors: seeded by its index)."""
-    return objective(run, feats, torch.Generator().manual_seed(index)).log_dict()
+    return objective(run, d, feats, torch.Generator().manual_seed(index)).log_dict()
 
 
 def train(run: Run, stop_at_step: int = 0) -> str | None:
     """The loop; returns why it stopped early (a signal, the launcher's death) or None."""
-    from specforge_dspark.training import checkpoint
     from specforge_dspark.training.data_order import EVAL_ID, advance, batches
     from specforge_dspark.training.distributed import wait_for_every_rank
+    from specforge_dspark.training.drafters import follow, save_all
+    from specforge_dspark.training.eval_pool import EvalPool
     from specforge_dspark.training.lifecycle import StopRequest, watch_launcher
     from specforge_dspark.training.nonfinite import NonFiniteError, NonFiniteGuard
     from specforge_dspark.training.preflight import preflight_run
@@ -182,13 +195,15 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
     r, state, eng = run.recipe, run.state, run.engine
     tracker = start_tracker(run)
     t_start, start_step = time.time(), state.step
-    window = StepWindow(state, time.time())  # carried across a stop (checkpoint.TrainState)
-    evals = EvalPool(run, tracker)
+    for d in run.drafters:  # each its own guard, metric window (carried across a stop), log
+        d.guard = NonFiniteGuard(d.recipe, run.rank, run.device, state.step)
+        d.window = StepWindow(d.state, t_start)
+        d.tracker = tracker if not d.name else companion_tracker(run, d, tracker)
+        d.evals = EvalPool(run, d)
     stop = StopRequest()  # SIGTERM / SIGINT / launcher death: save at the next step, exit
     watch_launcher(stop)
     stopped: str | None = None
     stream = run.stream  # started by build (training/build.py)
-    guard = NonFiniteGuard(r, run.rank, run.device, state.step)
     served = build_served_eval(r, run.rank, run.world, run.device)  # None unless asked
     with stream:
         wait_for_every_rank()  # every node's server answered (its startup_timeout_s)
@@ -198,41 +213,47 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
             if state.step >= run.total_steps:
                 break
             if feats.sample_ids[0] >= EVAL_ID:
-                evals.add(eval_step(run, feats, len(evals.batches)), state.step)
+                for d in run.drafters:
+                    d.evals.add(eval_step(run, d, feats, len(d.evals.batches)), state.step)
                 continue
-            out = train_step(run, feats, state.micro_step, guard)
+            screened = screen(run, feats, state.micro_step)  # moved to the device once
             boundary = eng.is_gradient_accumulation_boundary()
-            eng.step()  # at a boundary: the update, or DeepSpeed's skip of a non-finite one
+            for d in run.drafters:  # the same features and anchors for each drafter
+                d.window.add(train_step(run, d, screened, state.micro_step))
+                d.engine.step()  # at a boundary: the update, or DeepSpeed's skip of it
             state.micro_step += 1
             advance(state, run.units, run.world, r.train.micro_batch_size)  # the data cursor
             state.tokens += int(feats.loss_mask.sum())
-            window.add(out)
             if not boundary:
                 continue
             state.step += 1
             tracker.advance()
-            report = guard.after_step(eng, state)  # collective when some rank saw a problem
-            for line in report.lines:
-                tracker.write(line)
+            reports = []
+            for d in run.drafters:
+                follow(d.state, state)  # a companion's cursor is the run's
+                reports.append(d.guard.after_step(d.engine, d.state))  # collective if needed
+                for line in reports[-1].lines:
+                    tracker.write(f"[{d.name}] {line}" if d.name else line)
             if (
                 state.step % r.train.log_interval == 0
                 or state.step == run.total_steps
-                or (report.skipped)
+                or any(report.skipped for report in reports)
             ):
-                beat = time.time() - window.t_last
-                window.log(tracker, state, eng, stream.wait_seconds, report, time.time())
+                now = time.time()
+                beat = now - run.drafters[0].window.t_last
+                for d, report in zip(run.drafters, reports, strict=True):
+                    d.window.log(d.tracker, d.state, d.engine, stream.wait_seconds, report, now)
                 if run.status is not None:  # rank 0: run_status.json's heartbeat
                     run.status.heartbeat(state.step, run.total_steps, beat)
             last = state.step == run.total_steps or state.step == stop_at_step
             interval = r.train.eval_interval
             if served is not None and (last or interval and state.step % interval == 0):
-                evals.served(served, state.step)
+                for d in run.drafters:
+                    d.evals.served(served, state.step)
             stopping = not last and stop.agreed(run.device)  # collective, every step
-            halt = report.stop  # too many non-finite steps in a row: save, then fail
+            halt = next((rep.stop for rep in reports if rep.stop), None)  # save, then fail
             if state.step % r.checkpoint.save_interval == 0 or last or stopping or halt:
-                window.save_into(state)
-                keep = r.checkpoint.keep_last
-                path = checkpoint.save(eng, run.dirs["checkpoint"], state, r, keep, run.fingerprint)
+                path = save_all(run, run.drafters)  # every drafter's, this step
                 tracker.write(f"step {state.step}: saved {path}")
             if halt:
                 raise NonFiniteError(f"{halt}; saved them in {path}")
@@ -243,10 +264,12 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
             if last:
                 break
     stop.restore()
-    tracker.close()
+    for d in reversed(run.drafters):  # the companions log through the main's trackio run
+        d.tracker.close()
     say_done(run, time.time() - t_start, state.step - start_step)
     if state.step >= run.total_steps and run.rank == 0:
-        export_final(run)
+        for d in run.drafters:
+            export_final(run, d)
     return stopped
 
 
@@ -265,81 +288,55 @@ def start_tracker(run: Run):
     return tracker
 
 
-class EvalPool:
-    """Teacher-forced eval batches until this rank's share is in, then one logged mean;
-    the served accept length (train.served_eval) and the gap between the two."""
+def companion_tracker(run: Run, d: Drafter, main):
+    """A companion drafter's metrics.jsonl; its trackio metrics go into the job's run
+    (`main`'s) as `<name>/<metric>`; no progress bar of its own."""
+    from specforge_dspark.training.tracking import Tracker
 
-    def __init__(self, run: Run, tracker):
-        from specforge_dspark.training.data_order import eval_rows
-
-        self.run, self.tracker = run, tracker
-        self.expected = 0
-        if run.recipe.train.eval_interval:
-            self.expected = len(eval_rows(run.eval_set, run.rank, run.world))
-        self.batches: list[dict] = []
-        self.served_al: dict[int, float] = {}  # step -> served accept length, for the gap
-
-    def add(self, metrics: dict, step: int) -> None:
-        from specforge_dspark.training.tracking import reduce_metrics
-
-        self.batches.append(metrics)
-        if len(self.batches) < self.expected:
-            return
-        tf = reduce_metrics(self.batches)
-        logged = {f"eval/{k}": v for k, v in tf.items()}
-        if step in self.served_al and "tau" in tf:  # teacher-forced minus served
-            logged["eval/tau_minus_accept_length"] = tf["tau"] - self.served_al[step]
-        self.tracker.log(step, logged)
-        self.batches = []
-
-    def served(self, served, step: int) -> None:
-        from specforge_dspark.training.served_eval import served_accept_length
-
-        run = self.run
-        res = served_accept_length(served, run.engine.module, run.head, run.device)
-        self.served_al[step] = res["accept_length"]
-        self.tracker.log(step, {f"eval/{k}": v for k, v in res.items()})
-        self.tracker.write(
-            f"step {step}: served accept length {res['accept_length']:.3f} "
-            f"({res['served_prompts']} prompts, {res['served_seconds']:.1f} s)"
-        )
+    step, out = run.state.step, d.dirs["trackio"]
+    return Tracker(d.recipe, run.rank, run.total_steps, step, out, main, f"{d.name}/")
 
 
 def say_done(run: Run, took: float, done: int) -> None:
     if run.rank != 0:
         return
     line = f"done: {done} steps in {took:.1f} s ({took / max(done, 1):.3f} s/step)"
+    capture = getattr(run.stream.engine, "forward_seconds", None)  # the hf worker's forwards
+    if capture is not None:
+        n = len(run.drafters)
+        line += f", target capture {capture:.2f} s for {n} drafter(s) ({capture / n:.2f} s each)"
     if run.device.type == "cuda":
         line += f", peak GPU memory {torch.cuda.max_memory_allocated(run.device) / 2**30:.2f} GiB"
     print(line, flush=True)
 
 
-def export_final(run: Run) -> None:
-    """The serving exports (export.formats) of the final checkpoint, from its fp32 master
-    weights (one path for every ZeRO stage), and the calibration asked for."""
+def export_final(run: Run, d: Drafter) -> None:
+    """Drafter d's serving exports (export.formats) of its final checkpoint, from its fp32
+    master weights (one path for every ZeRO stage), and the calibration asked for."""
     from specforge_dspark.export.dispatch import export_checkpoint
     from specforge_dspark.training import checkpoint
 
-    r = run.recipe
-    final = checkpoint.step_dir(run.dirs["checkpoint"], run.state.step)
+    r, dirs = d.recipe, d.dirs
+    final = checkpoint.step_dir(dirs["checkpoint"], run.state.step)
     for fmt in r.export.formats:
         out_dir = export_checkpoint(
             final,
             fmt,
-            run.dirs["export"] / fmt,
+            dirs["export"] / fmt,
             target_path=r.target.path or None,
             verifier_name=r.export.verifier_name or None,
         )
-        print(f"exported {fmt} drafter to {out_dir}", flush=True)
+        what = f"{d.name} ({r.draft.kind})" if d.name else "drafter"
+        print(f"exported {fmt} {what} to {out_dir}", flush=True)
     if r.export.calibrate_prompts:
         from specforge_dspark.decoding.calibration import calibrate_export
 
         calibrate_export(
             r.target.path,
-            run.dirs["export"] / "sglang",
+            dirs["export"] / "sglang",
             workloads=r.export.calibrate_workloads,
             num_prompts=r.export.calibrate_prompts,
-            out_dir=run.dirs["export"].parent / "calibration",
+            out_dir=dirs["export"].parent / "calibration",
             device=str(run.device),
         )
 

@@ -153,6 +153,18 @@ def evaluate_split(drafts: dict, workloads: list[str], kw: dict) -> dict[str, di
     return {name: pool([p[name] for p in parts], out / f"eval_{name}") for name in drafts}
 
 
+def judge(drafts: dict, target: Path, num_prompts: int, max_new_tokens: int, out: Path):
+    """`evaluate_split` of `drafts` on WORKLOADS, the table printed: (results, workloads,
+    seconds)."""
+    t = time.time()
+    workloads = WORKLOADS.split(",")
+    kw = dict(target_path=str(target), num_prompts=num_prompts,
+              max_new_tokens=max_new_tokens, out=str(out))  # fmt: skip
+    results = evaluate_split(drafts, workloads, kw)
+    print_table(results, workloads)
+    return results, workloads, time.time() - t
+
+
 def step(title: str) -> None:
     print(f"\n=== {title}", flush=True)
 
@@ -162,15 +174,16 @@ def _ci(ci: list[float] | None) -> str:
 
 
 def print_table(results: dict[str, dict], workloads: list[str]) -> None:
-    cell = 22
-    print(f"\n{'drafter':<10} {'overall':>{cell}}  " + "  ".join(f"{w:>{cell}}" for w in workloads))
+    cell, name_w = 22, max(10, *map(len, results))
+    head = f"\n{'drafter':<{name_w}} {'overall':>{cell}}  "
+    print(head + "  ".join(f"{w:>{cell}}" for w in workloads))
     for name, res in results.items():
         o, per = res["overall"], res["workloads"]
         cells = [f"{o['accept_length']:.3f} {_ci(o['accept_length_ci'])}"]
         cells += [
             f"{per[w]['accept_length']:.3f} {_ci(per[w]['accept_length_ci'])}" for w in workloads
         ]
-        print(f"{name:<10} " + "  ".join(f"{c:>{cell}}" for c in cells))
+        print(f"{name:<{name_w}} " + "  ".join(f"{c:>{cell}}" for c in cells))
     print("accept length = committed tokens per verify step; [95% bootstrap interval over prompts]")
 
 

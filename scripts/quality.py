@@ -85,12 +85,14 @@ def regenerated(recipe: str, target: Path) -> Path:
     return out
 
 
-def train_budget(recipe: str, data: Path, steps: int, out: Path, nproc: int) -> dict:
+def train_budget(
+    recipe: str, data: Path, steps: int, out: Path, nproc: int, train: tuple = TRAIN
+) -> dict:
     """One budget's run (resumed when interrupted; kept when finished): its export, the
-    supervised tokens it trained and its wall seconds."""
+    supervised tokens it trained and its wall seconds. `train`: the runs' own overrides."""
     overrides = [
         f"train.output_dir={out}", f"train.max_steps={steps}", f"data.train_files=[{data}]",
-        "data.format=messages", "data.max_rows=0", *TRAIN,
+        "data.format=messages", "data.max_rows=0", *train,
     ]  # fmt: skip
     record = out / "budget.json"
     if record.is_file():
@@ -190,15 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         runs[steps] = train_budget(a.recipe, data, steps, out / f"steps_{steps}", a.nproc)
 
     demo.step("3/3 acceptance by speculative decoding (held-out prompts)")
-    t = time.time()
     drafts = {f"dspark_{s}": r["export"] for s, r in runs.items()}
     drafts["ngram"] = ("ngram", recipe.draft.block_size)
-    workloads = demo.WORKLOADS.split(",")
-    kw = dict(target_path=str(target), num_prompts=a.num_prompts,
-              max_new_tokens=a.max_new_tokens, out=str(out))  # fmt: skip
-    results = demo.evaluate_split(drafts, workloads, kw)
-    eval_seconds = time.time() - t
-    demo.print_table(results, workloads)
+    results, workloads, eval_seconds = demo.judge(
+        drafts, target, a.num_prompts, a.max_new_tokens, out
+    )
 
     per_budget = summarize(runs, results, workloads)
     top = per_budget[-1]["workloads"]

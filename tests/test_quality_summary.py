@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -67,3 +68,55 @@ def test_above_means_intervals_apart_per_budget_and_workload(quality, tmp_path):
 
     write_learning_curve(per_budget, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def bakeoff(quality):
+    spec = importlib.util.spec_from_file_location("bakeoff", REPO / "scripts" / "bakeoff.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _generations(path: Path, rows: list[tuple[str, int, int, int]]) -> None:
+    """generations.jsonl of (workload, index, committed, verify steps) rows."""
+    path.mkdir(parents=True)
+    lines = [
+        json.dumps(
+            {
+                "workload": w,
+                "index": i,
+                "turn": 0,
+                "prompt": f"prompt {w} {i}",
+                "output": f"text {path.name} {i}",
+                "new_tokens": c,
+                "committed": c,
+                "verify_steps": n,
+                "accepted_per_step": [c // n - 1] * n,
+            }
+        )  # fmt: skip
+        for w, i, c, n in rows
+    ]
+    (path / "generations.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_the_bakeoff_shows_the_decoded_texts_where_a_kind_loses(bakeoff, tmp_path):
+    w = ("gsm8k", "humaneval", "overall")  # gsm8k: dflash wholly below dspark; else overlaps
+    cells = {
+        "dspark": dict(zip(w, [(4.0, 3.6, 4.4), (3.0, 2.5, 3.5), (3.5, 3.2, 3.8)], strict=True)),
+        "dflash": dict(zip(w, [(2.5, 2.2, 2.9), (3.1, 2.6, 3.6), (2.8, 2.5, 3.1)], strict=True)),
+        "dflash2": dict(zip(w, [(3.9, 2.8, 4.2), (3.0, 2.4, 3.6), (3.4, 3.0, 3.7)], strict=True)),
+        "ngram": dict(zip(w, [(3.0, 2.5, 3.5), (3.2, 2.8, 3.6), (3.1, 2.8, 3.4)], strict=True)),
+    }
+    results = {k: _summary(v) for k, v in cells.items()}
+    per_prompt = {"dspark": [40, 40, 40], "dflash": [38, 10, 30], "dflash2": [40, 40, 40],
+                  "ngram": [30, 30, 30]}  # fmt: skip
+    for kind, committed in per_prompt.items():
+        rows = [("gsm8k", i, c, 10) for i, c in enumerate(committed)]
+        _generations(tmp_path / f"eval_{kind}", rows + [("humaneval", i, 30, 10) for i in range(3)])
+    lost = bakeoff.losses_report(results, ["gsm8k", "humaneval"], tmp_path)
+    assert lost == [{"workload": "gsm8k", "loser": "dflash", "winner": "dspark", "prompts": [1, 2]}]
+    text = (tmp_path / "losses.md").read_text()
+    assert "## gsm8k: dflash 2.50 below dspark 4.00" in text
+    assert "text eval_dflash 1" in text and "text eval_dspark 1" in text  # both decoded texts
+    assert "humaneval" not in text

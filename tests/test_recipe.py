@@ -22,13 +22,15 @@ def test_recipes_exist():
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_every_recipe_loads_and_builds_on_meta(path):
+    from specforge_dspark.config.companions import companion_recipe
     from specforge_dspark.drafters.registry import new_draft
 
-    r = load_recipe(path)
-    with torch.device("meta"):
-        draft = new_draft(r.draft)  # DSpark or DFlash by draft.kind
-    assert sum(p.numel() for p in draft.parameters()) > 0
-    assert draft.config.block_size == r.draft.block_size
+    recipe = load_recipe(path)
+    for r in [recipe, *(companion_recipe(recipe, i) for i in range(len(recipe.companions)))]:
+        with torch.device("meta"):
+            draft = new_draft(r.draft)  # DSpark or DFlash by draft.kind
+        assert sum(p.numel() for p in draft.parameters()) > 0
+        assert draft.config.block_size == r.draft.block_size
 
 
 def test_production_values_match_spec():

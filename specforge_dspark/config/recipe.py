@@ -14,8 +14,10 @@ from typing import Any
 
 import yaml
 
+from specforge_dspark.config.companions import check_companions
 from specforge_dspark.config.sections import (
     CheckpointRecipe,
+    CompanionRecipe,
     DataRecipe,
     DistRecipe,
     DraftRecipe,
@@ -34,6 +36,7 @@ from specforge_dspark.config.validate import validate
 
 __all__ = [  # the sections are imported from here by name (config/sections.py defines them)
     "CheckpointRecipe",
+    "CompanionRecipe",
     "DataRecipe",
     "DistRecipe",
     "DraftRecipe",
@@ -92,7 +95,8 @@ def recipe_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Recipe:
 def _cross_checks(recipe: Recipe, errors: list[str]) -> list[str]:
     """Cross-field problems, leaving out keys that already failed their type check."""
     bad = {m.split(":")[0].split()[-1].split("[")[0] for m in errors}
-    return [m for m in validate(recipe) if not any(b and b in m for b in bad)]
+    found = validate(recipe) + check_companions(recipe)
+    return [m for m in found if not any(b and b in m for b in bad)]
 
 
 def _format(path: Path, errors: list[str]) -> str:

@@ -249,6 +249,19 @@ class ExportRecipe:
 
 
 @dataclass
+class CompanionRecipe:
+    """One more drafter trained in the same job from the same features (config/companions.py):
+    its sections are overlays on the recipe's own, key by key. Its checkpoints, exports and
+    metrics.jsonl go under <train.output_dir>/companions/<name>/."""
+
+    name: str = ""
+    draft: dict[str, Any] = field(default_factory=dict)
+    objective: dict[str, Any] = field(default_factory=dict)
+    optim: dict[str, Any] = field(default_factory=dict)
+    export: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class Recipe:
     target: TargetRecipe = field(default_factory=TargetRecipe)
     draft: DraftRecipe = field(default_factory=DraftRecipe)
@@ -260,6 +273,9 @@ class Recipe:
     checkpoint: CheckpointRecipe = field(default_factory=CheckpointRecipe)
     tracking: TrackingRecipe = field(default_factory=TrackingRecipe)
     export: ExportRecipe = field(default_factory=ExportRecipe)
+    companions: list[CompanionRecipe] = field(default_factory=list)
+    """More drafters fed by the same capture, each its own optimizer, schedule, checkpoint
+    and export (training/drafters.py); the main drafter is the recipe's own."""
     source: str = field(default="", compare=False, metadata={"key": False})
     """The file this recipe was loaded from (not a YAML key)."""
 

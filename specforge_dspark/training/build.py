@@ -6,7 +6,7 @@ is train.py's `train`)."""
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,6 +39,9 @@ class Run:
     """data.pack: sample_id -> its packed sequence."""
     status: object = None
     """This rank's RunStatus writer (run_status.py): rank 0 beats its heartbeat."""
+    drafters: list = field(default_factory=list)
+    """Every drafter trained from the stream (training/drafters.py): [0] is the recipe's
+    own (engine, state, recipe, dirs above), then its companions."""
     stream: object = None
     """This rank's FeatureStream (training/stream.py), started before DeepSpeed builds the
     engine so that the target's start-up overlaps it; `train` waits until it is ready.
@@ -54,11 +57,18 @@ def build(recipe: Recipe, resume: str | None, status=None) -> Run:
     """`status` (training/run_status.py RunStatus): written `running` once this job holds
     the run lock."""
     from data_pipelines.prepare import prepare_dataset
-    from specforge_dspark.drafters.dspark import DSparkDraft
-    from specforge_dspark.drafters.registry import new_draft
     from specforge_dspark.objective.frozen_head import load_frozen_head
     from specforge_dspark.training import checkpoint
     from specforge_dspark.training.distributed import init_distributed
+    from specforge_dspark.training.drafters import (
+        Drafter,
+        checkpoint_roots,
+        companion_recipes,
+        construct_draft,
+        follow,
+        load_companion,
+        resolve_resume,
+    )
     from specforge_dspark.training.fingerprint import data_fingerprint, features_fingerprint
     from specforge_dspark.training.lifecycle import acquire_run_lock
     from specforge_dspark.training.memory import resolve_recompute
@@ -70,7 +80,7 @@ def build(recipe: Recipe, resume: str | None, status=None) -> Run:
     lock = acquire_run_lock(dirs["output"], rank)  # one job per output_dir
     if status is not None:  # the last run's outcome never survives into this one
         status.start()
-    resume_path = checkpoint.resolve_resume(resume, dirs["checkpoint"])
+    resume_path = resolve_resume(resume, checkpoint_roots(recipe))  # complete for every drafter
     layout = None  # how the saved global batch is laid out on this world size
     if resume_path is not None:  # fail fast, before data and engines are built
         layout = checkpoint.check_saved(resume_path, recipe, world)
@@ -116,26 +126,15 @@ def build(recipe: Recipe, resume: str | None, status=None) -> Run:
 
     head_dtype = torch.bfloat16 if recipe.target.dtype == "bfloat16" else torch.float32
     head = load_frozen_head(recipe.target.path, device=device, dtype=head_dtype)
-    if recipe.draft.init_from and recipe.draft.kind != "dspark":  # the DFlash kinds
-        from specforge_dspark.drafters.registry import KINDS
-
-        kind = KINDS[recipe.draft.kind]
-        draft = kind.network.from_pretrained(recipe.draft.init_from)
-        want = kind.config.from_recipe(recipe.draft)
-        if hasattr(want, "output_multiplier"):  # written by the exporter, not the recipe
-            want.output_multiplier = draft.config.output_multiplier
-        if draft.config != want:
-            raise ValueError(f"draft.init_from {recipe.draft.init_from}: config differs")
-    elif recipe.draft.init_from:  # same slot, tap, layer ids, mask and vocab as this run
-        from specforge_dspark.export.conventions import check_conventions
-
-        check_conventions(recipe.draft.init_from, recipe)
-        draft = DSparkDraft.from_pretrained(recipe.draft.init_from)
-    else:
-        draft = new_draft(recipe.draft)
-    check_head_matches(recipe, head)
     say = (lambda *a: None) if rank else print
-    recipe = resolve_recompute(recipe, draft, world, device, say=say)  # auto -> on / off
+    drafts = []  # (name, recipe, network): the recipe's own drafter first, then companions
+    for name, r in [("", recipe), *companion_recipes(recipe)]:
+        draft = construct_draft(r)  # seeded: as a job of this drafter alone would build it
+        check_head_matches(r, head)
+        if name:
+            say(f"companion drafter {name} ({r.draft.kind}): {r.train.output_dir}")
+        drafts.append((name, resolve_recompute(r, draft, world, device, say=say), draft))
+    recipe = drafts[0][1]  # objective.recompute auto -> on / off
     run = Run(
         recipe,
         rank,
@@ -156,8 +155,16 @@ def build(recipe: Recipe, resume: str | None, status=None) -> Run:
         status,
     )
     run.stream = FeatureStream(recipe, rank=rank, world_size=world)  # the target starts now
-    try:  # ... while DeepSpeed builds the engine and the checkpoint loads
-        run.engine, run.state = engine_and_state(run, draft, resume_path, layout, grad_accum)
+    try:  # ... while DeepSpeed builds the engines and the checkpoints load
+        run.engine, run.state = engine_and_state(run, drafts[0][2], resume_path, layout, grad_accum)
+        run.drafters = [Drafter("", recipe, dirs, run.engine, run.state)]
+        for name, r, draft in drafts[1:]:
+            engine = deepspeed_engine(run, r, draft, grad_accum)
+            state = checkpoint.TrainState()
+            follow(state, run.state)
+            if resume_path is not None:
+                state = load_companion(engine, r, resume_path, run.state, fingerprint)
+            run.drafters.append(Drafter(name, r, resolved_dirs(r), engine, state))
     except BaseException:
         run.stream.close()
         raise
@@ -166,23 +173,11 @@ def build(recipe: Recipe, resume: str | None, status=None) -> Run:
 
 def engine_and_state(run: Run, draft, resume_path, layout, grad_accum: int):
     """The draft under DeepSpeed, and the training state (fresh, or restored)."""
-    import deepspeed
-
     from specforge_dspark.training import checkpoint
     from specforge_dspark.training.data_order import restore_cursor, samples_left
-    from specforge_dspark.training.distributed import deepspeed_config, lr_lambda
 
-    recipe, rank, t, o = run.recipe, run.rank, run.recipe.train, run.recipe.optim
-    opt = torch.optim.AdamW(
-        draft.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe, run.total_steps))
-    engine, _, _, _ = deepspeed.initialize(
-        model=draft.to(run.device),
-        optimizer=opt,
-        lr_scheduler=sched,
-        config=deepspeed_config(recipe, run.device, grad_accum),
-    )
+    recipe, rank, t = run.recipe, run.rank, run.recipe.train
+    engine = deepspeed_engine(run, recipe, draft, grad_accum)
     warn_if_no_skip(engine, recipe, rank)
     state = checkpoint.TrainState(epoch_samples=0, grad_accum=grad_accum)
     if resume_path is not None:
@@ -196,6 +191,27 @@ def engine_and_state(run: Run, draft, resume_path, layout, grad_accum: int):
         if rank == 0 and said:  # what was re-partitioned, or why grad_accum differs
             print(said, flush=True)
     return engine, state
+
+
+def deepspeed_engine(run: Run, recipe: Recipe, draft, grad_accum: int):
+    """`draft` under DeepSpeed with its own AdamW and LR schedule (the optim section of
+    `recipe`: the run's, or a companion drafter's)."""
+    import deepspeed
+
+    from specforge_dspark.training.distributed import deepspeed_config, lr_lambda
+
+    o = recipe.optim
+    opt = torch.optim.AdamW(
+        draft.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe, run.total_steps))
+    engine, _, _, _ = deepspeed.initialize(
+        model=draft.to(run.device),
+        optimizer=opt,
+        lr_scheduler=sched,
+        config=deepspeed_config(recipe, run.device, grad_accum),
+    )
+    return engine
 
 
 def warn_if_no_skip(engine, recipe: Recipe, rank: int) -> None:

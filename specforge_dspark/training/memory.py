@@ -224,7 +224,28 @@ def slot_summary(recipe: Recipe) -> str:
 
 def dry_run_summary(recipe: Recipe, world: int = 1) -> list[str]:
     """What `train.py --dry-run` prints: the draft built on the meta device (parameter
-    groups, trainable count), the objective, the backend and the memory estimate."""
+    groups, trainable count), the objective, the backend and the memory estimate; with
+    companion drafters (config/companions.py) each one's, then the whole set's per rank."""
+    from specforge_dspark.config.companions import companion_recipe
+
+    (network, objective, memory), estimates = drafter_summary(recipe, world)
+    lines = [f"recipe: {recipe.source}", *network, *objective]
+    lines.append(f"target backend: {recipe.target.backend} ({recipe.target.path})")
+    if recipe.target.backend != "offline":
+        lines.append(slot_summary(recipe))
+    lines += memory
+    for i, c in enumerate(recipe.companions):
+        more, est = drafter_summary(companion_recipe(recipe, i), world)
+        lines += [f"companion {c.name}:", *(f"  {x}" for part in more for x in part)]
+        estimates += est
+    if recipe.companions:
+        names = ["main", *(c.name for c in recipe.companions)]
+        lines += set_report(dict(zip(names, estimates, strict=True)), world)
+    return lines
+
+
+def drafter_summary(recipe: Recipe, world: int) -> tuple[list[list[str]], list[dict]]:
+    """One drafter's dry-run lines (its network, its objective, its memory) and estimate."""
     import torch
 
     from specforge_dspark.drafters.registry import new_draft
@@ -244,27 +265,46 @@ def dry_run_summary(recipe: Recipe, world: int = 1) -> list[str]:
     )
     if d.kind == "dflash2":
         heads += f", selector r={d.selector_rank} top-{d.selector_top_k}"
-    lines = [f"recipe: {recipe.source}"]
-    lines.append(
+    network = [
         f"draft ({d.kind}): {d.num_hidden_layers} layers, hidden {d.hidden_size}, heads "
         f"{d.num_attention_heads}/{d.num_key_value_heads}, block {d.block_size}, aux layers "
         f"{d.target_layer_ids} of {d.num_target_layers}, {heads}"
-    )
-    for k, v in groups.items():
-        lines.append(f"  {k:<16} {v:>14,d}")
+    ]
+    network += [f"  {k:<16} {v:>14,d}" for k, v in groups.items()]
     o = recipe.objective
     selector = f" + {o.selector_weight} selector CE" if d.kind == "dflash2" else ""
-    lines.append(
-        f"objective: {o.ce_weight} CE + {o.l1_weight} L1 + {o.bce_weight} BCE{selector}, "
-        f"{o.num_anchors} anchors, gamma {o.gamma}, chunk {o.chunk_size}, "
-        f"decoder chunk {o.decode_chunk_size}"
-    )
-    lines.append(f"target backend: {recipe.target.backend} ({recipe.target.path})")
-    if recipe.target.backend != "offline":
-        lines.append(slot_summary(recipe))
+    weighting = "" if o.slot_weighting == "decay" else f", {o.slot_weighting} slot weights"
+    objective = [
+        f"objective: {o.ce_weight} CE + {o.l1_weight} {o.divergence.upper()} + {o.bce_weight} "
+        f"BCE{selector}, {o.num_anchors} anchors, gamma {o.gamma}{weighting}, chunk "
+        f"{o.chunk_size}, decoder chunk {o.decode_chunk_size}"
+    ]
     available, what = available_bytes(recipe.target.device, recipe)
     recompute, why = recompute_choice(recipe, n, world, available, what)
-    lines.append(why)
-    lines += report(recipe, n, world, recompute)
-    lines.append(f"trainable_params: {n}")
-    return lines
+    memory = [why, *report(recipe, n, world, recompute), f"trainable_params: {n}"]
+    return [network, objective, memory], [estimate(recipe, n, world, recompute)]
+
+
+SHARED = ("frozen head", "activations: features")
+"""Entries of `estimate` that the drafters of one run hold once: the target's head and
+the micro-batch's features."""
+
+
+def set_report(by_drafter: dict[str, dict[str, float]], world: int) -> list[str]:
+    """Per rank for several drafters of one run: the shared entries once, each drafter's
+    weights, gradients and optimizer state, and the largest drafter's other activations
+    (the drafters run one after another, each freeing its activations in backward)."""
+    estimates = list(by_drafter.values())
+    shared = sum(estimates[0][k] for k in SHARED)
+    states = [total_bytes(e) - e["activations"] - e["frozen head"] for e in estimates]
+    acts = max(e["activations"] - e["activations: features"] for e in estimates)
+    total = shared + sum(states) + acts
+    scale, unit = (GB, "GB") if total >= GB else (1e6, "MB")
+    return [
+        f"memory per rank for the {len(estimates)} drafters (estimate; {world} rank(s)):",
+        f"  {'frozen head + features (once)':<34} {shared / scale:>9.2f} {unit}",
+        *(f"  {name + ': weights, grads, optimizer':<34} {b / scale:>9.2f} {unit}"
+          for name, b in zip(by_drafter, states, strict=True)),
+        f"  {'activations (the largest drafter)':<34} {acts / scale:>9.2f} {unit}",
+        f"  {'total':<34} {total / scale:>9.2f} {unit}",
+    ]  # fmt: skip

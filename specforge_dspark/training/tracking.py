@@ -21,18 +21,30 @@ from specforge_dspark.config.recipe import Recipe
 
 
 class Tracker:
-    """Logs scalars to trackio and drives the progress bar; a no-op on ranks other than 0."""
+    """Logs scalars to trackio and drives the progress bar; a no-op on ranks other than 0.
+
+    `into`: a companion drafter's tracker (training/drafters.py) writes its own
+    metrics.jsonl, has no bar, and logs to trackio through `into`'s run with its keys
+    prefixed `prefix` (trackio holds one run per process)."""
 
     def __init__(
-        self, recipe: Recipe, rank: int, total_steps: int, start_step: int, trackio_dir: Path
+        self,
+        recipe: Recipe,
+        rank: int,
+        total_steps: int,
+        start_step: int,
+        trackio_dir: Path,
+        into: Tracker | None = None,
+        prefix: str = "",
     ):
         self.active = rank == 0
         self._run = None
+        self.into, self.prefix = into, prefix
         self.jsonl = Path(recipe.train.output_dir) / "metrics.jsonl"
         if self.active:
             self.jsonl.parent.mkdir(parents=True, exist_ok=True)
             rewind_jsonl(self.jsonl, start_step)
-        if self.active and recipe.tracking.enabled:
+        if self.active and recipe.tracking.enabled and into is None:
             if recipe.tracking.dir or "TRACKIO_DIR" not in os.environ:
                 os.environ["TRACKIO_DIR"] = str(Path(trackio_dir).resolve())
             Path(os.environ["TRACKIO_DIR"]).mkdir(parents=True, exist_ok=True)
@@ -53,7 +65,7 @@ class Tracker:
         self.bar = tqdm(
             total=total_steps,
             initial=start_step,
-            disable=not self.active,
+            disable=not self.active or into is not None,
             unit="step",
             dynamic_ncols=True,
             file=sys.stderr,
@@ -65,6 +77,8 @@ class Tracker:
             return
         if self._run is not None:
             self._trackio.log(metrics, step=step)
+        elif self.into is not None and self.into._run is not None:
+            self.into._trackio.log({self.prefix + k: v for k, v in metrics.items()}, step=step)
         with self.jsonl.open("a") as f:  # plain copy next to the run, one line per log step
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         short = {k: metrics[k] for k in ("loss", "tau", "tau_expected", "lr") if k in metrics}
@@ -75,7 +89,7 @@ class Tracker:
 
     def write(self, line: str) -> None:
         if self.active:
-            self.bar.write(line)
+            self.bar.write(line)  # tqdm.write: printed above the bar, or plainly without one
 
     def close(self) -> None:
         self.bar.close()

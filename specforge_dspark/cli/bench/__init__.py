@@ -7,7 +7,8 @@ it. `all` runs every benchmark with its defaults and says which ones are not ava
 objective: bench/objective.py; step: bench/step.py (one whole train step, optionally beside
 another checkout's); stream: bench/stream.py; pack: bench/pack.py (training runs
 with and without data.pack); capture: bench/capture.py (a live CPU SGLang
-server, with vs without feature capture); prepare: data_pipelines/prepare.py.
+server, with vs without feature capture); drafters: bench/drafters.py (one capture feeding one
+drafter vs two); prepare: data_pipelines/prepare.py.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ BENCHES = {
     "stream": ("specforge_dspark.cli.bench.stream", "bench_main"),
     "pack": ("specforge_dspark.cli.bench.pack", "bench_main"),
     "capture": ("specforge_dspark.cli.bench.capture", "bench_main"),
+    "drafters": ("specforge_dspark.cli.bench.drafters", "bench_main"),
     "prepare": ("data_pipelines.prepare", "bench_main"),
 }
 

@@ -1,0 +1,185 @@
+"""The bake-off (`make bakeoff`): DSpark, DFlash and DFlash2 trained in ONE job from one
+feature stream of the tiny Inkling target (recipes/tiny_cpu_bakeoff.yaml: the same data,
+anchors, steps and seed for each; DFlash also with the default objective and with the LK
+loss, beside the recipes' D-PACE), then judged by real speculative decoding against the
+n-gram drafter, per workload, and per unit of draft compute.
+
+1. the tiny Inkling target (cached) and its answers to `make quality`'s prompt mix (cached
+   under .cache/quality/, shared with it)
+2. one training job of --steps steps on --nproc ranks: the DSpark and its companions
+   (resumed when interrupted, reused when finished with the same settings)
+3. every export and the n-gram drafter decode the demo's four held-out workloads
+   (--num-prompts each, greedy, lossless), sharing the references; 95% bootstrap
+   intervals over prompts
+4. draft FLOPs per verify step, counted by torch's FLOP counter on each export
+   (evaluation/compute.py) at the mean context length of the decoded prompts
+Writes <out>/summary.json (per kind and workload: accept_length, accept_length_ci; per
+kind: FLOPs per step and per drafted token, accept length per draft GFLOP), summary.png,
+and <out>/losses.md: where a kind's interval lies wholly below another's, the prompts it
+loses most on, both decoded texts side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+import demo  # noqa: E402  (scripts/demo.py: evaluation split, tables)
+import quality  # noqa: E402  (scripts/quality.py: the cached on-policy answers)
+
+RECIPE = "recipes/tiny_cpu_bakeoff.yaml"
+TRAIN = (
+    "train.epochs=1000",  # train.max_steps decides
+    "train.eval_interval=0",
+    "train.served_eval.num_prompts=0",
+    "checkpoint.save_interval=250",
+    "export.formats=[sglang]",
+)
+
+
+def kinds(recipe) -> dict[str, str]:
+    """Drafter name -> its folder under the run: the recipe's own DSpark, its companions."""
+    return {"dspark": "", **{c.name: f"companions/{c.name}" for c in recipe.companions}}
+
+
+def train(recipe, data: Path, steps: int, out: Path, nproc: int) -> dict:
+    """The one job that trains every kind (quality.py's run of one budget: resumed when
+    interrupted, kept when finished with the same settings); every kind's export."""
+    trained = quality.train_budget(RECIPE, data, steps, out, nproc, TRAIN)
+    exports = {k: str(out / sub / "export" / "sglang") for k, sub in kinds(recipe).items()}
+    return {**{k: v for k, v in trained.items() if k != "export"}, "exports": exports}
+
+
+def mean_context(eval_dir: Path, target: Path) -> int:
+    """Mean context a verify step drafts over: the prompt's tokens (without the chat
+    template's few) and half the output's, over the decoded prompts."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    rows = [json.loads(x) for x in (eval_dir / "generations.jsonl").open()]
+    return int(sum(len(tok(r["prompt"]).input_ids) + r["new_tokens"] / 2 for r in rows) / len(rows))
+
+
+def losses_report(results: dict, workloads: list[str], out: Path, per: int = 2) -> list[dict]:
+    """Where one kind's interval lies wholly below another's: the prompts with the largest
+    per-prompt accept-length gap, both decoded texts (losses.md)."""
+    found, lines = [], ["# Where a kind loses (decoded texts)", ""]
+    names = [k for k in results if k != "ngram"]
+    for w in workloads:
+        for a in names:
+            for b in [*names, "ngram"]:
+                ra, rb = results[a]["workloads"][w], results[b]["workloads"][w]
+                if a == b or not ra["accept_length_ci"][1] < rb["accept_length_ci"][0]:
+                    continue
+                ga, gb = (_generations(out / f"eval_{k}", w) for k in (a, b))
+                gap = sorted(ga, key=lambda i: _al(ga[i]) - _al(gb[i]))[:per]
+                found.append({"workload": w, "loser": a, "winner": b, "prompts": gap})
+                lines += [f"## {w}: {a} {ra['accept_length']:.2f} below {b} "
+                          f"{rb['accept_length']:.2f}", ""]  # fmt: skip
+                for i in gap:
+                    lines += [f"prompt {i}: {ga[i]['prompt'][:300]!r}", ""]
+                    for k, g in ((a, ga[i]), (b, gb[i])):
+                        steps = g["accepted_per_step"][:24]
+                        said = f"accept length {_al(g):.2f}, accepted per step {steps}"
+                        lines += [f"- {k} ({said}): {g['output'][:400]!r}"]
+                    lines.append("")
+    if not found:
+        lines.append("No kind's interval lies wholly below another's on any workload.")
+    (out / "losses.md").write_text("\n".join(lines) + "\n")
+    return found
+
+
+def cells(results: dict, name: str) -> dict:
+    """Per workload and overall: accept length, its interval, and whether it lies wholly
+    above the n-gram drafter's."""
+    out = {}
+    for w in [*results[name]["workloads"], "overall"]:
+        r, n = (x["overall"] if w == "overall" else x["workloads"][w]
+                for x in (results[name], results["ngram"]))  # fmt: skip
+        out[w] = {k: r[k] for k in ("accept_length", "accept_length_ci")}
+        out[w]["above_ngram"] = r["accept_length_ci"][0] > n["accept_length_ci"][1]
+    return out
+
+
+def _generations(eval_dir: Path, workload: str) -> dict[int, dict]:
+    rows = (json.loads(x) for x in (eval_dir / "generations.jsonl").open())
+    return {r["index"]: r for r in rows if r["workload"] == workload and r["turn"] == 0}
+
+
+def _al(g: dict) -> float:
+    return g["committed"] / max(g["verify_steps"], 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="runs/bakeoff")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--num-prompts", type=int, default=20, help="per workload")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    a = ap.parse_args(argv)
+    os.chdir(REPO)
+    t0 = time.time()
+    from evaluation.compute import step_flops
+    from evaluation.report import write_comparison_plot
+    from specforge_dspark.config.recipe import load_recipe
+    from specforge_dspark.tiny.target import build
+
+    recipe = load_recipe(RECIPE)
+    out = Path(a.out)
+    demo.step("1/4 tiny Inkling target and its answers to the prompt mix")
+    target = build(Path(recipe.target.path))
+    demo.fresh_for_target(out, target)
+    data = quality.regenerated(RECIPE, target)
+
+    demo.step(f"2/4 {', '.join(kinds(recipe))} from one stream: {a.steps} steps")
+    trained = train(recipe, data, a.steps, out / "train", a.nproc)
+
+    demo.step("3/4 acceptance by speculative decoding (held-out prompts)")
+    drafts = {**trained["exports"], "ngram": ("ngram", recipe.draft.block_size)}
+    results, workloads, eval_seconds = demo.judge(
+        drafts, target, a.num_prompts, a.max_new_tokens, out
+    )
+
+    demo.step("4/4 draft compute per verify step (torch's FLOP counter)")
+    ctx = mean_context(out / "eval_dspark", target)
+    compute = {}
+    for kind, export in trained["exports"].items():
+        al = results[kind]["overall"]["accept_length"]
+        flops = step_flops(export, target, ctx, committed=al)
+        compute[kind] = {**flops, "accept_length_per_gflop": al / (flops["flops_per_step"] / 1e9)}
+        print(f"{kind:<8} {flops['flops_per_step'] / 1e6:7.1f} MFLOP per step, "
+              f"{flops['flops_per_drafted_token'] / 1e6:5.2f} per drafted token, accept length "
+              f"{al:.3f} = {compute[kind]['accept_length_per_gflop']:.1f} per GFLOP")  # fmt: skip
+    lost = losses_report(results, workloads, out)
+    summary = {
+        "kinds": {
+            name: {**compute.get(name, {"flops_per_step": 0.0}), "workloads": cells(results, name)}
+            for name in drafts
+        },
+        "losses": lost,
+        "context_tokens_for_flops": ctx,
+        "training": {k: v for k, v in trained.items() if k != "exports"},
+        "recipe": RECIPE,
+        "training_data": str(data),
+        "num_prompts": a.num_prompts,
+        "max_new_tokens": a.max_new_tokens,
+        "eval_seconds": round(eval_seconds, 1),
+        "seconds": round(time.time() - t0, 1),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_comparison_plot(results, out / "summary.png")
+    print(f"wrote {out}/summary.json, summary.png and losses.md ({summary['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
