@@ -37,7 +37,7 @@ export VLLM_NO_USAGE_STATS := 1
 export PYTHONUNBUFFERED := 1
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup vllm-venv sglang-venv demo quality bakeoff test test-quick lint format bench tiny-target tiny-targets clean
+.PHONY: setup mooncake-libs vllm-venv sglang-venv demo quality bakeoff test test-quick lint format bench tiny-target tiny-targets clean
 
 setup: $(STAMP)
 
@@ -49,7 +49,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(RETRY) $(PIP) install -q --no-compile --upgrade pip
 	$(RETRY) $(PIP) install -q --no-compile -c constraints.txt torch==2.13.0
-	DS_BUILD_OPS=0 $(EDITABLE_LOCK) $(RETRY) $(PIP) install -q --no-compile -c constraints.txt -e ".[dev,sglang,speculators]"
+	DS_BUILD_OPS=0 $(EDITABLE_LOCK) $(RETRY) $(PIP) install -q --no-compile -c constraints.txt -e ".[dev,sglang,speculators,mooncake]"
 	$(RETRY) $(PIP) install -q --no-compile -c constraints.txt --no-deps sglang==0.5.23
 	$(RETRY) $(PIP) install -q --no-compile -c constraints.txt --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	touch $@
@@ -89,6 +89,12 @@ $(SGLANG_VENV)/.packages: requirements-sglang.txt
 	$(RETRY) $(SGLANG_VENV)/bin/python -m pip install -q --no-compile -r requirements-sglang.txt
 	touch $@
 
+# Mooncake's Transfer Engine (target.transport: mooncake) loads libibverbs and librdmacm
+# even for TCP: installed from Debian's packages where they are missing and we are root,
+# else the script names the packages to install.
+mooncake-libs:
+	scripts/debian_libs.sh libibverbs.so.1:libibverbs1 librdmacm.so.1:librdmacm1
+
 # The tiny Inkling target (the embedded default) and, for the tests, the tiny Qwen3 one
 # (what the CPU SGLang engine serves); each rebuilt only when its build key changes.
 tiny-target: setup
@@ -121,7 +127,8 @@ bakeoff: setup tiny-target
 # on two cores slow each other 10-30x).
 TEST_WORKERS ?= 2
 test:
-	$(MAKE) -j3 setup vllm-venv sglang-venv tiny-targets
+	@df -h . | awk 'NR == 2 {print "disk: " $$4 " free (a clean clone installs ~16 GB of venvs)"}'
+	$(MAKE) -j3 setup vllm-venv sglang-venv tiny-targets mooncake-libs
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup \
 		--no-loadscope-reorder --durations=40
 
@@ -138,7 +145,7 @@ format: setup
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-bench: setup sglang-venv tiny-targets
+bench: setup sglang-venv tiny-targets mooncake-libs
 	$(PY) -m specforge_dspark.cli.bench all
 
 clean:

@@ -147,10 +147,11 @@ def tiny_qwen3_dir() -> Path:
 @pytest.fixture(scope="session")
 def sglang_server(tiny_qwen3_dir, tmp_path_factory):
     """One live CPU SGLang server for the tiny Qwen3 target, shared by the session's
-    tests (aux layers 0, 1, 2; fp32; whole prefills). Yields its base URL."""
+    tests (aux layers 0, 1, 2; fp32; whole prefills), on its own loopback address
+    127.0.0.2 (the trainers' Mooncake engines listen on 127.0.0.1). Yields its base URL."""
     from tests.live_sglang import LiveServer
 
-    with LiveServer(tiny_qwen3_dir, tmp_path_factory.mktemp("sglang")) as server:
+    with LiveServer(tiny_qwen3_dir, tmp_path_factory.mktemp("sglang"), "127.0.0.2") as server:
         yield _serving("sglang_server", server)
 
 

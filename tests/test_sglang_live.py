@@ -1,7 +1,10 @@
 """The sglang backend against a real SGLang server on this CPU (SGLang's CPU engine).
 
 Features from the live server equal the hf backend's; a prefill that SGLang splits into
-chunks still arrives whole; 30 training steps give the same losses on either backend;
+chunks still arrives whole, through /dev/shm and through Mooncake; 30 training steps give
+the same losses on either backend, and the same losses and weights with the features
+written over Mooncake TCP by a server on another loopback address; a pool of two servers
+feeding two ranks loses one mid-run and the ranks still train the same samples in order;
 a server killed mid-run with target.max_restarts=0 fails the job within 30 s naming the
 server, and `--resume auto` then finishes with the losses and weights of an uninterrupted
 run; with restarts, a server SIGKILLed and later SIGSTOPped mid-run is brought back and
@@ -132,7 +135,7 @@ def test_the_server_runs_in_sglangs_own_venv_beside_the_trainers(sglang_server):
 def chunked_server(tiny_qwen3_dir, tmp_path_factory):
     """A server whose prefill budget is 32 tokens a batch: most sequences are split."""
     with LiveServer(
-        tiny_qwen3_dir, tmp_path_factory.mktemp("chunked"), chunked_prefill_size=32
+        tiny_qwen3_dir, tmp_path_factory.mktemp("chunked"), "127.0.0.3", chunked_prefill_size=32
     ) as s:
         yield s
 
@@ -147,6 +150,11 @@ def test_split_prefills_arrive_whole(chunked_server, tiny_qwen3_dir):
     chunks = [int(n) for n in re.findall(r"Prefill batch, #new-seq: \d+, #new-token: (\d+)", log)]
     sequences = sum(len(b) for b in batches) + 1  # + the start-up probe
     assert len(chunks) > sequences and max(chunks) <= 32, "the server did not split prefills"
+    # the same chunks written through Mooncake (server on 127.0.0.3, trainer on 127.0.0.1)
+    recipe.target.transport = "mooncake"
+    over_mooncake = _collect(recipe, batches)
+    assert _max_diff(over_mooncake, ref) <= 1e-5
+    assert "listening on 127.0.0.3" in chunked_server.log_path.read_text()
 
 
 # --------------------------------------------------------------------------- training
@@ -192,6 +200,11 @@ def runs(sglang_server, tmp_path_factory):
         base / "sglang", "sglang", "--resume", "none", f"target.sglang.url={sglang_server.url}"
     )
     assert attached.returncode == 0, (base / "sglang" / "job.log").read_text()[-3000:]
+    mooncake = _train(
+        base / "mooncake", "sglang", "--resume", "none", f"target.sglang.url={sglang_server.url}",
+        "target.transport=mooncake",
+    )  # fmt: skip
+    assert mooncake.returncode == 0, (base / "mooncake" / "job.log").read_text()[-3000:]
     return base
 
 
@@ -201,6 +214,45 @@ def test_thirty_steps_on_the_live_server_match_the_hf_backend(runs):
     assert sorted(hf) == sorted(live) == list(range(1, STEPS + 1))
     for step in hf:
         assert live[step] == pytest.approx(hf[step], rel=1e-5), f"step {step}"
+
+
+@pytest.mark.slow
+def test_features_over_mooncake_train_exactly_as_over_shared_memory(runs, sglang_server):
+    """The server on its own loopback address (127.0.0.2) writes every row through
+    Mooncake's Transfer Engine (TCP) into the trainer's registered slots: no slot path
+    reaches it, and the 30 steps' losses and weights equal the /dev/shm run's."""
+    shm, mc = _losses(runs / "sglang"), _losses(runs / "mooncake")
+    assert sorted(mc) == list(range(1, STEPS + 1)) and mc == shm
+    a, b = _weights(runs / "sglang"), _weights(runs / "mooncake")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    job = (runs / "mooncake" / "job.log").read_text()
+    assert job.count("P2P handshake, listening on 127.0.0.1") == 2, job[-3000:]  # one per rank
+    assert "listening on 127.0.0.2" in sglang_server.log_path.read_text()  # the writer
+
+
+@pytest.mark.slow
+def test_a_pool_loses_a_server_mid_run_and_trains_every_sample_once(
+    runs, sglang_server, chunked_server
+):
+    """Two servers on their own addresses (127.0.0.2, and 127.0.0.3 splitting prefills)
+    feed two trainer ranks over Mooncake; the second is SIGKILLed at step 8: its requests
+    go to the first, and every rank trains the uninterrupted run's samples, in order."""
+    out = runs / "pool"
+    pool = f"target.sglang.urls=[{sglang_server.url},{chunked_server.url}]"
+    job = _train(out, "sglang", "--resume", "none", "target.transport=mooncake", pool, wait=False)
+    _reach(out, job, 8)
+    served = chunked_server.log_path.read_text().count("POST /generate")
+    os.killpg(chunked_server.pid, signal.SIGKILL)
+    assert job.wait(timeout=600) == 0, (out / "job.log").read_text()[-3000:]
+    text = (out / "job.log").read_text()
+    assert served > 2, "the killed server had served nothing before it died"  # + its probes
+    assert f"{chunked_server.url} is lost: dropped from target.sglang.urls" in text, text[-3000:]
+    for rank in (0, 1):
+        assert _ids(out, rank) == _ids(runs / "sglang", rank)
+    want, got = _losses(runs / "sglang"), _losses(out)
+    assert sorted(got) == sorted(want)
+    for step in want:  # the split prefills' features agree to 1e-5, not bitwise
+        assert got[step] == pytest.approx(want[step], rel=1e-5), f"step {step}"
 
 
 @pytest.mark.slow

@@ -10,7 +10,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from specforge_dspark.config.servers import RegenerateRecipe, SGLangServer, VLLMServer
+from specforge_dspark.config.servers import (
+    MooncakeTransport,
+    RegenerateRecipe,
+    SGLangServer,
+    VLLMServer,
+)
 
 
 class RecipeError(ValueError):
@@ -46,6 +51,11 @@ class TargetRecipe:
     tiny_arch: Literal["", "inkling", "qwen3"] = ""
     """Embedded CPU recipes: build (or reuse, by build key) the tiny target of this
     architecture at target.path before training (specforge_dspark.tiny.target)."""
+    transport: Literal["shm", "mooncake"] = "shm"
+    """How a server's features reach the trainer: shm, a /dev/shm slot the server maps (the
+    server on the trainer's node); mooncake, written into the trainer's registered slots
+    by Mooncake's Transfer Engine (the server anywhere: engines/mooncake.py; sglang only)."""
+    mooncake: MooncakeTransport = field(default_factory=MooncakeTransport)
     sglang: SGLangServer = field(default_factory=SGLangServer)
     vllm: VLLMServer = field(default_factory=VLLMServer)
 

@@ -13,6 +13,9 @@ class SGLangServer:
 
     url: str | None = None
     """Attach to a running server at this base URL instead of starting one."""
+    urls: list[str] = field(default_factory=list)
+    """Attach to a pool of running servers instead (each rank balances its requests over
+    them by outstanding tokens; a lost one's requests go to the others: engines/pool.py)."""
     host: str = "127.0.0.1"
     port: int = 30000
     python: str = ".venv-sglang/bin/python"
@@ -27,6 +30,20 @@ class SGLangServer:
     the longest the other ranks wait in a collective meanwhile (config/validate.py)."""
     server_args: dict[str, Any] = field(default_factory=dict)
     """Extra `sglang.launch_server` arguments by ServerArgs field name (tp_size, ...)."""
+
+
+@dataclass
+class MooncakeTransport:
+    """`target.transport: mooncake`: the trainer's side of Mooncake's Transfer Engine
+    (engines/mooncake.py); a server's writer takes its own RDMA devices and address from
+    its environment (SFDSPARK_MOONCAKE_DEVICE, SFDSPARK_MOONCAKE_HOST)."""
+
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    device: str = ""
+    """RDMA devices of the trainer's host (e.g. "mlx5_0,mlx5_1"); "" with tcp."""
+    host: str = ""
+    """The trainer's address the servers write to; "" = the local address on the route
+    to the server's host."""
 
 
 @dataclass

@@ -159,6 +159,14 @@ def validate(r: Recipe) -> list[str]:
         g.backend != "offline" or bool(g.offline_dir),
         "target.offline_dir must be set when target.backend is offline",
     )
+    need(
+        g.transport == "shm" or g.backend == "sglang",
+        f"target.transport=mooncake: only the sglang backend writes through Mooncake "
+        f"(target.backend is {g.backend}); use target.transport=shm",
+    )
+    s = g.sglang
+    need(not (s.url and s.urls), "target.sglang: set url (one server) or urls (a pool), not both")
+    need(all(s.urls), "target.sglang.urls: an empty URL")
     problem = restart_budget_problem(r)
     need(not problem, problem)
     for problem in server_topology_problems(r):
@@ -167,6 +175,12 @@ def validate(r: Recipe) -> list[str]:
     need(r.data.max_rows >= 0, "data.max_rows must be >= 0")
     need(r.data.regenerate.concurrency >= 1, "data.regenerate.concurrency must be >= 1")
     return e
+
+
+def attached(g) -> bool:
+    """Whether target `g`'s servers run elsewhere (url, or a pool of urls): none is started."""
+    section = getattr(g, g.backend, None)
+    return bool(section is not None and (section.url or getattr(section, "urls", None)))
 
 
 RESTARTED_SERVERS = ("sglang",)
@@ -179,7 +193,7 @@ def restart_budget_s(r: Recipe) -> float:
     (target.restart_backoff_s * 2**(k-1)) and within target.<engine>.startup_timeout_s.
     0 when the run restarts no server (another backend, an attached url, max_restarts 0)."""
     g = r.target
-    if g.backend not in RESTARTED_SERVERS or getattr(g, g.backend).url:
+    if g.backend not in RESTARTED_SERVERS or attached(g):
         return 0.0
     n = g.max_restarts
     return n * getattr(g, g.backend).startup_timeout_s + g.restart_backoff_s * (2**n - 1)

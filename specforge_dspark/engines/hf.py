@@ -32,7 +32,7 @@ from specforge_dspark.engines.features import (
     TargetFeatures,
     TargetLost,
 )
-from specforge_dspark.engines.shm import pad_rows, starts
+from specforge_dspark.engines.ragged import pad_rows, starts
 from specforge_dspark.engines.slot_budget import job_id, make_slots, sweep_stale_slots
 from specforge_dspark.engines.slot_writer import SlotMaps
 
@@ -76,7 +76,7 @@ class HFTarget:
     ) -> None:
         """Run the target on `input_ids_BS`, `chunk` sequences per forward, writing the
         features into the given (shared-memory) tensors, ragged: sequence b's rows at
-        `shm.starts(lengths_B)[b]`.
+        `ragged.starts(lengths_B)[b]`.
 
         Each chunk is cut to its own longest sequence, so with chunk 1 every sequence
         runs unpadded and its features do not depend on how the caller batched it

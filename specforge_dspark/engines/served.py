@@ -1,7 +1,8 @@
 """The trainer side of a served engine (SGLang, vLLM, the next transport), for one rank.
 
-A served engine is a live server the features come from through shared-memory slots
-(shm.py) and tickets (tickets.py). What every such engine does the same lives here, in
+A served engine is a live server the features come from through the rank's slots
+(shm.py; written in place, or through Mooncake with target.transport mooncake) and
+tickets (tickets.py). What every such engine does the same lives here, in
 `ServedEngine`: the rank's slots; the server the node's local rank 0 starts
 (`<output_dir>/<engine>_server_rank<r>.log`, its pid in `..._rank<r>.pid` for the node's
 other ranks), under a `server.ServerKeeper`, or an attached one (`target.<engine>.url`);
@@ -39,6 +40,7 @@ from specforge_dspark.engines.features import (
     TargetLost,
     read_target_dims,
 )
+from specforge_dspark.engines.mooncake import Exposer
 from specforge_dspark.engines.server import (
     EngineServer,
     ServerKeeper,
@@ -67,19 +69,25 @@ class ServedEngine:
     no_features_hint = ""
     """What to check when the server answered but wrote nothing (after 'wrote no features')."""
 
-    def __init__(self, recipe, rank: int, num_slots: int, restarts: bool):
+    def __init__(self, recipe, rank: int, num_slots: int, restarts: bool, shared=None):
+        """`shared`: another engine of this rank (pool.py) whose slots this one writes to."""
         t, section = recipe.target, getattr(recipe.target, self.engine)
         self.recipe, self.rank, self.timeout_s = recipe, rank, t.timeout_s
         self.startup_timeout_s = section.startup_timeout_s
         self.dims: TargetDims = read_target_dims(t.path, recipe.draft.target_layer_ids)
         self.url = (section.url or f"http://{section.host}:{section.port}").rstrip("/")
         self.dtype = DTYPES[t.dtype]
-        sweep_stale_slots(job_id(recipe))
-        self.slots = make_slots(
-            rank, num_slots, self.dims.aux_width, self.dims.hidden_size, self.dtype, recipe
-        )
+        self.owns_slots = shared is None
+        if shared is None:
+            sweep_stale_slots(job_id(recipe))
+            dims, exposer = self.dims, Exposer.for_recipe(recipe, self.url)
+            self.slots = make_slots(
+                rank, num_slots, dims.aux_width, dims.hidden_size, self.dtype, recipe, None, exposer
+            )
+            self.slot_busy: list[Future | None] = [None] * num_slots
+        else:
+            self.slots, self.slot_busy = shared.slots, shared.slot_busy
         self.futures: dict[int, Future] = {}
-        self.slot_busy: list[Future | None] = [None] * num_slots
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         out = Path(recipe.train.output_dir)
         node = rank - local_rank
@@ -276,7 +284,7 @@ class ServedEngine:
     def close(self) -> None:
         if self.keeper is not None:
             self.keeper.stop()
-        for slot in self.slots:
+        for slot in self.slots if self.owns_slots else ():
             slot.close()
 
 

@@ -25,6 +25,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from specforge_dspark.engines import mooncake
 from specforge_dspark.engines.features import PaddedBatch, check_layer_ids, post_json
 from specforge_dspark.engines.inkling_layout import needs_radix_cache, sglang_layout
 from specforge_dspark.engines.served import ServedEngine
@@ -176,6 +177,9 @@ class ServerProcess(EngineServer):
         env = server_env(
             cpu_engine, interpret_triton=cpu_engine and triton, ranks=server_ranks(args)
         )
+        host = args[args.index("--host") + 1] if "--host" in args else ""
+        if host not in ("", "0.0.0.0", "::"):  # Mooncake writers go out from the server's address
+            env.setdefault(mooncake.HOST_ENV, host)
         super().__init__(exe, "sglang.launch_server", args, log_path, env)
 
 
@@ -189,9 +193,9 @@ class SGLangEngine(ServedEngine):
         f"sglang.srt.plugins:{PLUGIN_NAME}) and not excluded by SGLANG_PLUGINS?"
     )
 
-    def __init__(self, recipe, rank: int, world_size: int, num_slots: int):
+    def __init__(self, recipe, rank: int, world_size: int, num_slots: int, shared=None):
         self._args: list[str] | None = None
-        super().__init__(recipe, rank, num_slots, restarts=True)
+        super().__init__(recipe, rank, num_slots, restarts=True, shared=shared)
 
     def launch(self, log_path: Path) -> ServerProcess:
         if self._args is None:  # once, by the starting rank only (it may convert Inkling)
@@ -203,7 +207,7 @@ class SGLangEngine(ServedEngine):
         rids, ids = [], []
         for b in range(batch.shape[0]):
             n = int(batch.lengths[b])
-            rids.append(make_rid(slot.read_ticket(b).nonce, b, str(slot.path)))
+            rids.append(make_rid(slot.read_ticket(b).nonce, b, slot.location))
             ids.append(batch.input_ids[b, :n].tolist())
         fut: Future = Future()
         body = json.dumps(request_body(rids, ids)).encode()

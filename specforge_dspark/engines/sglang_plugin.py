@@ -8,11 +8,13 @@ request's [S, m*H] aux hidden states into Python lists for the JSON reply (far t
 for 4096 x 30720 floats). For a request whose rid starts with `RID_PREFIX` the wrapper
 instead copies the aux rows (`logits_output.hidden_states`, the concatenated capture
 of `--return-aux-hidden-state-layer-ids`) and the post-norm, pre-muP last hidden rows
-(`logits_output.last_hidden_states`) into the trainer's shared-memory slot named in the
-rid, then marks the request's ticket done, unless the rid's nonce is no longer the
-ticket's (a request the trainer gave up on: slot_writer.py, tickets.py). Other requests
-are untouched. In a CPU-engine server (SGLANG_USE_CPU_ENGINE=1), and only there,
-`register()` also installs the CPU bridges of engines/cpu/.
+(`logits_output.last_hidden_states`) into the trainer's slot named in the rid (a
+/dev/shm path, or with `target.transport: mooncake` a slot on the trainer's host written
+through Mooncake's Transfer Engine: slot_writer.SlotAccess), then marks the request's
+ticket done, unless the rid's nonce is no longer the ticket's (a request the trainer
+gave up on: slot_writer.py, tickets.py). Other requests are untouched. In a CPU-engine
+server (SGLANG_USE_CPU_ENGINE=1), and only there, `register()` also installs the CPU
+bridges of engines/cpu/.
 
 Writers. Every attention-TP rank holds the same rows; each writes a share: whole requests,
 request `rid` by rank `writer_rank(rid, attn_tp_size)` (with attention DP each DP group's
@@ -109,14 +111,15 @@ def max_prefix_len(original, self, input_len: int) -> int:
     return 0 if parse_rid(self.rid) is not None else original(self, input_len)
 
 
-def make_rid(nonce: int, ticket: int, path: str) -> str:
+def make_rid(nonce: int, ticket: int, location: str) -> str:
     """The rid of a feature request: its ticket's nonce (unique per request, and the
-    writer's proof that the ticket is still this request's), index and slot."""
-    return f"{RID_PREFIX}{nonce}|{ticket}|{path}"
+    writer's proof that the ticket is still this request's), index and slot (a /dev/shm
+    path, or a Mooncake location: slot_writer.SlotAccess)."""
+    return f"{RID_PREFIX}{nonce}|{ticket}|{location}"
 
 
 def parse_rid(rid: object) -> tuple[int, str, int] | None:
-    """(ticket index, slot path, nonce) for our requests, None for anyone else's."""
+    """(ticket index, slot location, nonce) for our requests, None for anyone else's."""
     if not isinstance(rid, str) or not rid.startswith(RID_PREFIX):
         return None
     _, nonce, ticket, path = rid.split("|", 3)

@@ -18,14 +18,12 @@ tokens' whatever the spread of its lengths. The trainer pads a copy for training
 to its SlotBudget (the most a request of the run can hold, slot_budget.py); a request over
 it is refused before anything is written, naming the recipe keys that set it.
 
-The trainer owns the files (creates, grows, unlinks); producers only open and write,
-keeping their mappings open (slot_writer.SlotMaps). Where CUDA is present both sides
-page-lock their mappings (`pin`): a GPU copies into or out of a slot by direct DMA at
-pinned bandwidth, and the trainer's host-to-GPU copy can be asynchronous
-(features.TargetFeatures.to; a slot waits for such copies before it is rewritten or
-unmapped: `note_read`, `wait_reads`).
-This module imports only the standard library, torch and tickets.py, so the slot writer
-can use it inside every engine's server.
+The trainer owns the files (creates, grows, unlinks); producers open and write, keeping
+their mappings (slot_writer.SlotMaps), or reach them through Mooncake (mooncake.py). With
+CUDA both sides page-lock their mappings (`pin`: DMA at pinned bandwidth; the trainer's
+copy to the GPU may be asynchronous, and a slot waits for it before it is rewritten or
+unmapped: `note_read`, `wait_reads`). Imports only the standard library, torch and
+tickets.py: the slot writer uses it inside every engine's server.
 """
 
 from __future__ import annotations
@@ -40,11 +38,11 @@ import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import accumulate
 from pathlib import Path
 
 import torch
 
+from specforge_dspark.engines.ragged import pad_rows, starts
 from specforge_dspark.engines.tickets import TICKET_SIZE, Ticket
 
 logger = logging.getLogger(__name__)
@@ -56,6 +54,7 @@ DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 1, torch.bfloat16: 2, torc
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 
 _HEADER = struct.Struct("<8s9q")  # magic, capacity, max_seqs, D, H, dtype, 4 offsets
+HEADER_SIZE = _HEADER.size
 _MAGIC = b"SFDSPK02"  # 02: ragged rows
 
 
@@ -141,6 +140,14 @@ def view(buf, dtype: torch.dtype, offset: int, shape: tuple[int, ...]) -> torch.
     return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(shape)
 
 
+def buffer_address(buf: mmap.mmap) -> int:
+    """Address of a mapping; no export outlives the call (the mapping stays closable)."""
+    whole = torch.frombuffer(buf, dtype=torch.uint8)
+    addr = whole.data_ptr()
+    del whole
+    return addr
+
+
 def release(buf: mmap.mmap | None) -> None:
     """Unmap when no tensor still aliases it; otherwise the GC unmaps it later."""
     if buf is None:
@@ -162,9 +169,7 @@ def pin(buf: mmap.mmap) -> int:
     pageable bandwidth)."""
     if not torch.cuda.is_available():
         return 0
-    whole = torch.frombuffer(buf, dtype=torch.uint8)
-    addr, nbytes = whole.data_ptr(), whole.numel()
-    del whole  # no export may outlive this call: the mapping must stay closable
+    addr, nbytes = buffer_address(buf), len(buf)
     err = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, 1))  # 1: Portable
     if err != 0:
         cleared = clear_cuda_error()
@@ -183,17 +188,15 @@ def pin(buf: mmap.mmap) -> int:
 
 def clear_cuda_error() -> int:
     """Reset this thread's CUDA "last error" (cudaGetLastError) and return it; -1 when no
-    CUDA runtime is loaded here. A failed runtime call such as cudaHostRegister leaves
-    its error there, and the next launch check of the process (c10's, an engine's) would
-    report it as its own kernel's failure."""
+    CUDA runtime is loaded here. A failed cudaHostRegister leaves its error there, and the
+    process's next launch check (c10's, an engine's) would report it as its own."""
     runtime = _cuda_runtime()
     return -1 if runtime is None else int(runtime.cudaGetLastError())
 
 
 def _cuda_runtime():
-    """The CUDA runtime library this process loaded (torch's, found in /proc/self/maps; a
-    second copy would keep its own last error), or None. torch.cuda.cudart() binds only a
-    few calls, not cudaGetLastError."""
+    """The CUDA runtime library this process loaded (torch's, in /proc/self/maps; a second
+    copy keeps its own last error), or None (torch.cuda.cudart() lacks cudaGetLastError)."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "/libcudart" in line}
@@ -238,23 +241,6 @@ def wait_reads(addr: int) -> None:
         pending, events[:] = list(events), []
     for event in pending:
         event.synchronize()
-
-
-def starts(lengths: Sequence[int]) -> list[int]:
-    """Row offset of each sequence of a ragged request: o_b = n_0 + ... + n_{b-1}."""
-    return list(accumulate((int(n) for n in lengths), initial=0))[:-1]
-
-
-def pad_rows(rows_T, lengths: Sequence[int], S: int, pin: bool = False) -> torch.Tensor:
-    """Ragged rows [T, ...] as right-padded sequences [B, S, ...] (zeros on padding): a
-    view of `rows_T` when every sequence has S rows, else a copy (page-locked with `pin`)."""
-    B = len(lengths)
-    if all(int(n) == S for n in lengths):
-        return rows_T[: B * S].view(B, S, *rows_T.shape[1:])
-    out = torch.zeros((B, S, *rows_T.shape[1:]), dtype=rows_T.dtype, pin_memory=pin)
-    for b, (o, n) in enumerate(zip(starts(lengths), lengths, strict=True)):
-        out[b, :n] = rows_T[o : o + n]
-    return out
 
 
 class SlotViews:
@@ -328,7 +314,8 @@ def _grow(need: int, have: int, most: int) -> int:
 class ShmSlot:
     """A trainer-owned slot file, named `<FILE_PREFIX><job>-<pid>-<tag>-<random>`, that
     grows (never shrinks) to fit each request, by doubling up to its `budget` (None: no
-    bound)."""
+    bound). Requests name it by `location`: its path, or where `exposer` (mooncake.Exposer,
+    target.transport mooncake) registered its mapping for writers on other hosts."""
 
     def __init__(
         self,
@@ -338,10 +325,12 @@ class ShmSlot:
         dtype: torch.dtype,
         budget: SlotBudget | None = None,
         job: str = "0",
+        exposer=None,
     ):
-        self.tag, self.budget, self.job = tag, budget, job
+        self.tag, self.budget, self.job, self.exposer = tag, budget, job, exposer
         self.aux_width, self.hidden, self.dtype = aux_width, hidden, dtype
         self.path: Path | None = None
+        self.location = ""
         self.layout: SlotLayout | None = None
         self.buf: mmap.mmap | None = None
         self.pinned = 0  # address of the page-locked mapping (0: not pinned)
@@ -375,6 +364,7 @@ class ShmSlot:
         buf = map_path(path, layout.nbytes)[0]
         buf[: _HEADER.size] = layout.pack()
         self.path, self.layout, self.buf = path, layout, buf
+        self.location = self.exposer.expose(buf) if self.exposer else str(path)
         self.pinned = pin(buf)
 
     def ticket_offset(self, index: int) -> int:
@@ -393,6 +383,8 @@ class ShmSlot:
         """Unlink the file; the mapping goes once no yielded tensor uses it."""
         if self.path is not None:
             self.path.unlink(missing_ok=True)
+        if self.exposer and self.location:
+            self.exposer.withdraw(self.location)
         unpin(self.pinned)
         release(self.buf)
-        self.path, self.layout, self.buf, self.pinned = None, None, None, 0
+        self.path, self.layout, self.buf, self.pinned, self.location = None, None, None, 0, ""

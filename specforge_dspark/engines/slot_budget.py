@@ -63,13 +63,20 @@ def job_id(recipe) -> str:
 
 
 def make_slots(
-    rank: int, num_slots: int, aux_width: int, hidden: int, dtype: torch.dtype, recipe, say=None
+    rank: int,
+    num_slots: int,
+    aux_width: int,
+    hidden: int,
+    dtype: torch.dtype,
+    recipe,
+    say=None,
+    exposer=None,
 ) -> list[ShmSlot]:
     """The `num_slots` slots of one trainer rank, each bounded by the run's request
     budget, after checking that those of every rank on this node fit in SHM_DIR at that
     size, so a small /dev/shm fails at start-up with the size it needs instead of with
     SIGBUS mid-run. Rank 0 `say`s the budget (default: a line on stderr, with the
-    engine's other start-up messages)."""
+    engine's other start-up messages). `exposer`: shm.ShmSlot's (target.transport)."""
     budget, job = request_budget(recipe), job_id(recipe)
     per_slot = slot_bytes(recipe, aux_width, hidden, dtype)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -89,7 +96,8 @@ def make_slots(
         say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         say(f"feature slots: at most {need / 2**30:.2f} GiB in {SHM_DIR} ({sizes}; job {job})")
     return [
-        ShmSlot(f"r{rank}s{i}", aux_width, hidden, dtype, budget, job) for i in range(num_slots)
+        ShmSlot(f"r{rank}s{i}", aux_width, hidden, dtype, budget, job, exposer)
+        for i in range(num_slots)
     ]
 
 

@@ -2,7 +2,9 @@
 answers its ticket.
 
 Called inside the engine's server (the SGLang plugin's hook, the vLLM connector's worker)
-with the slot path, ticket index and nonce the trainer put in the request. `SLOTS` keeps
+with the slot's location (a /dev/shm path, or with `target.transport: mooncake` a
+trainer's slot on any host, mooncake.py: `SlotAccess`), ticket index and nonce the
+trainer put in the request. `SLOTS` keeps
 each slot mapped once per process (page-locked on CUDA, `SlotMaps`; the hf worker keeps
 its own), so the device-to-host copy is one DMA into the slot. A writer whose nonce is not
 the ticket's (the trainer gave up on its request and reused the slot) writes nothing: it
@@ -13,7 +15,7 @@ each lands at its offset in the sequence, and the ticket turns DONE once all of 
 there. Nothing here raises into the engine: a failure goes to the trainer through the
 ticket (FAILED, with the reason), and the server keeps serving.
 
-Imports only torch, the standard library, shm.py and tickets.py: it is installed with
+Imports only torch, the standard library, shm.py, tickets.py and mooncake.py: it is installed with
 `--no-deps` in each engine's own environment.
 """
 
@@ -27,8 +29,10 @@ from collections.abc import Sequence
 
 import torch
 
+from specforge_dspark.engines.mooncake import Remote, RemoteSlot
 from specforge_dspark.engines.shm import (
     CODE_DTYPES,
+    HEADER_SIZE,
     SlotLayout,
     SlotViews,
     identity,
@@ -106,14 +110,60 @@ class SlotMaps:
 SLOTS = SlotMaps()  # this process's slot mappings, kept open
 
 
-def write_features(path: str, ticket: int, nonce: int, row0: int | None, aux_ND, last_NH) -> None:
-    """Copy one request's rows [row0, row0 + N) into its slot and update the ticket:
-    done once all of its rows are written (row0 None: right after those written so far).
-    Nothing when the ticket's nonce is not `nonce` (module docstring). Never raises."""
+class SlotAccess:
+    """One slot as a writer sees it, by the location a request names: a /dev/shm path
+    mapped here (SLOTS), or a trainer's slot reached through Mooncake (mooncake.py): its
+    layout, its tickets, and row writes."""
+
+    def __init__(self, location: str):
+        self.location = location
+        remote = Remote.parse(location)
+        self.remote = None if remote is None else RemoteSlot(remote)
+        if self.remote is None:
+            self.buf, self.layout = SLOTS.get(location)
+        else:
+            self.layout = SlotLayout.unpack(self.remote.read(0, HEADER_SIZE), location)
+
+    def _off(self, index: int) -> int:
+        return self.layout.tickets_off + index * TICKET_SIZE
+
+    def ticket(self, index: int) -> Ticket:
+        """Ticket `index`; RuntimeError when none was issued there."""
+        off = self._off(index)
+        if self.remote is None:
+            t = Ticket.unpack(self.buf, off)
+        else:
+            t = Ticket.unpack(self.remote.read(off, TICKET_SIZE), 0)
+        if t is None:
+            raise RuntimeError(f"no ticket {index} in {self.location}")
+        return t
+
+    def put_ticket(self, index: int, t: Ticket) -> None:
+        off = self._off(index)
+        if self.remote is None:
+            self.buf[off : off + TICKET_SIZE] = t.pack()
+        else:
+            self.remote.write([(off, t.pack())])
+
+    def put_rows(self, dtype: torch.dtype, pieces: list[tuple[int, torch.Tensor]]) -> None:
+        """Each (byte offset, rows [N, W]) piece into the slot, as `dtype`."""
+        if self.remote is not None:
+            self.remote.write([(off, rows.to(dtype)) for off, rows in pieces])
+            return
+        for off, rows in pieces:
+            view(self.buf, dtype, off, tuple(rows.shape)).copy_(rows)
+
+
+def write_features(
+    location: str, ticket: int, nonce: int, row0: int | None, aux_ND, last_NH
+) -> None:
+    """Copy one request's rows [row0, row0 + N) into its slot (a /dev/shm path or a
+    Mooncake location, SlotAccess) and update the ticket: done once all of its rows are
+    written (row0 None: right after those written so far). Nothing when the ticket's
+    nonce is not `nonce` (module docstring). Never raises."""
     try:
-        buf, layout = SLOTS.get(path)
-        off = layout.tickets_off + ticket * TICKET_SIZE
-        t = _mine(buf, off, nonce, path, ticket)
+        slot = SlotAccess(location)
+        t = _mine(slot, nonce, ticket)
         if t is None:
             return
         if row0 is None:
@@ -127,27 +177,24 @@ def write_features(path: str, ticket: int, nonce: int, row0: int | None, aux_ND,
             item = torch.empty((), dtype=dtype).element_size()
             aux_off = t.aux_off + row0 * t.aux_width * item
             last_off = t.last_off + row0 * t.hidden * item
-            view(buf, dtype, aux_off, (rows, t.aux_width)).copy_(aux_ND)
-            view(buf, dtype, last_off, (rows, t.hidden)).copy_(last_NH)
+            slot.put_rows(dtype, [(aux_off, aux_ND), (last_off, last_NH)])
             t.written = row0 + rows
             t.status = DONE if t.written == t.rows else PENDING
-        if _mine(buf, off, nonce, path, ticket) is not None:
-            buf[off : off + TICKET_SIZE] = t.pack()
+        if _mine(slot, nonce, ticket) is not None:
+            slot.put_ticket(ticket, t)
     except Exception:
-        logger.exception("specforge_dspark: could not hand features to %s", path)
+        logger.exception("specforge_dspark: could not hand features to %s", location)
 
 
-def _mine(buf, off: int, nonce: int, path: str, index: int) -> Ticket | None:
-    """The ticket at `off` when it is this request's (its nonce is `nonce`), else None."""
-    t = Ticket.unpack(buf, off)
-    if t is None:
-        raise RuntimeError(f"no ticket {index} in {path}")
+def _mine(slot: SlotAccess, nonce: int, index: int) -> Ticket | None:
+    """Ticket `index` when it is this request's (its nonce is `nonce`), else None."""
+    t = slot.ticket(index)
     if t.nonce != nonce:
         logger.warning(
             "specforge_dspark: ticket %d of %s was reissued (the trainer gave up on this "
             "request): writing nothing",
             index,
-            path,
+            slot.location,
         )
         return None
     return t
@@ -175,14 +222,13 @@ def _check(t: Ticket, row0: int, aux_ND, last_NH) -> str:
     return ""
 
 
-def fail(path: str, ticket: int, nonce: int, message: str) -> None:
+def fail(location: str, ticket: int, nonce: int, message: str) -> None:
     """Mark a ticket failed with `message` (best effort; nothing on another nonce)."""
     try:
-        buf, layout = SLOTS.get(path)
-        off = layout.tickets_off + ticket * TICKET_SIZE
-        t = _mine(buf, off, nonce, path, ticket)
+        slot = SlotAccess(location)
+        t = _mine(slot, nonce, ticket)
         if t is not None:
             t.status, t.error = FAILED, message
-            buf[off : off + TICKET_SIZE] = t.pack()
+            slot.put_ticket(ticket, t)
     except Exception:
-        logger.exception("specforge_dspark: could not report to %s", path)
+        logger.exception("specforge_dspark: could not report to %s", location)

@@ -36,6 +36,7 @@ import math
 from typing import TYPE_CHECKING
 
 from specforge_dspark.config.recipe import Recipe
+from specforge_dspark.config.validate import attached
 
 if TYPE_CHECKING:
     from torch import nn
@@ -146,7 +147,7 @@ def server_share(recipe: Recipe) -> tuple[float | None, str] | None:
     """(share of the GPU, recipe key) of a server the run starts beside the trainer on
     its GPUs; None when there is none (hf / offline, an attached server, a CPU server)."""
     t = recipe.target
-    if t.backend not in SERVER_SHARE or t.device == "cpu" or getattr(t, t.backend).url:
+    if t.backend not in SERVER_SHARE or t.device == "cpu" or attached(t):
         return None
     name, default = SERVER_SHARE[t.backend]
     share = getattr(t, t.backend).server_args.get(name, default)

@@ -76,7 +76,12 @@ def make_engine(recipe, rank: int, world_size: int, num_slots: int) -> Engine:
         dims = read_target_dims(recipe.target.path, recipe.draft.target_layer_ids)
         return HFEngine(recipe, dims, rank, world_size, num_slots)
     if backend in SERVED_ENGINES:
-        return pkgutil.resolve_name(SERVED_ENGINES[backend])(recipe, rank, world_size, num_slots)
+        engine_cls = pkgutil.resolve_name(SERVED_ENGINES[backend])
+        if getattr(getattr(recipe.target, backend), "urls", None):  # a pool of servers
+            from specforge_dspark.engines.pool import ServerPool
+
+            return ServerPool(engine_cls, recipe, rank, world_size, num_slots)
+        return engine_cls(recipe, rank, world_size, num_slots)
     if backend == "offline":
         from specforge_dspark.engines.offline import OfflineEngine
 

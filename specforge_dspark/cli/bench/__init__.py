@@ -8,7 +8,8 @@ objective: bench/objective.py; step: bench/step.py (one whole train step, option
 another checkout's); stream: bench/stream.py; pack: bench/pack.py (training runs
 with and without data.pack); capture: bench/capture.py (a live CPU SGLang
 server, with vs without feature capture); drafters: bench/drafters.py (one capture feeding one
-drafter vs two); prepare: data_pipelines/prepare.py.
+drafter vs two); transport: bench/transport.py (/dev/shm vs Mooncake TCP); prepare:
+data_pipelines/prepare.py.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ BENCHES = {
     "pack": ("specforge_dspark.cli.bench.pack", "bench_main"),
     "capture": ("specforge_dspark.cli.bench.capture", "bench_main"),
     "drafters": ("specforge_dspark.cli.bench.drafters", "bench_main"),
+    "transport": ("specforge_dspark.cli.bench.transport", "bench_main"),
     "prepare": ("data_pipelines.prepare", "bench_main"),
 }
 

@@ -1,0 +1,145 @@
+"""Transport benchmark: /dev/shm against Mooncake's Transfer Engine (TCP), same run.
+
+1. `transport write shm_gb_per_s=<x> mooncake_gb_per_s=<y> ratio=<y/x>`: a writer
+   process (spawned, as a server's scheduler is its own process) hands one request of
+   --seq-len tokens at the tiny Qwen3 target's shapes (aux 3 x H, last H, fp32) to a
+   trainer slot through slot_writer.write_features, the shm path (the slot mapped there)
+   and the Mooncake location (the writer's engine on 127.0.0.2, the trainer's on
+   127.0.0.1) in alternating turns; x, y = feature bytes / median seconds per request
+   (ticket read and write included).
+2. `transport request shm_s=<a> mooncake_s=<b> ratio=<b/a>`: one live CPU SGLang server
+   on 127.0.0.2, and per transport a trainer engine (SGLangEngine, as a rank uses it)
+   fetching one training step's features (one request of --seq-len tokens: prefill,
+   capture, handoff, tickets), in ABBA turns after one warm-up each; medians.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LAYERS = [0, 1, 2]
+
+
+def _writer(location: str, path: str, rows: int, aux_w: int, hidden: int, reps: int, conn):
+    """Spawned: time `reps` writes of one request to each location, in turns."""
+    import os
+
+    import torch
+
+    from specforge_dspark.engines import mooncake
+    from specforge_dspark.engines.slot_writer import write_features
+
+    os.environ[mooncake.HOST_ENV] = "127.0.0.2"
+    torch.set_num_threads(1)
+    aux, last = torch.randn(rows, aux_w), torch.randn(rows, hidden)
+    times: dict[str, list[float]] = {"shm": [], "mooncake": []}
+    for i in range(reps + 1):  # round 0 warms both up
+        for kind in ("shm", "mooncake") if i % 2 else ("mooncake", "shm"):
+            t = time.perf_counter()
+            write_features(path if kind == "shm" else location, 0, 7, 0, aux, last)
+            if i:
+                times[kind].append(time.perf_counter() - t)
+    conn.send(times)
+
+
+def _write_rates(target: str, rows: int, reps: int) -> tuple[float, float]:
+    import torch
+
+    from specforge_dspark.engines.features import PaddedBatch, read_target_dims
+    from specforge_dspark.engines.mooncake import Exposer
+    from specforge_dspark.engines.served import issue_tickets
+    from specforge_dspark.engines.shm import ShmSlot
+    from specforge_dspark.engines.tickets import DONE
+
+    dims = read_target_dims(target, LAYERS)
+    exposer = Exposer("http://127.0.0.2:1")
+    slot = ShmSlot("bench", dims.aux_width, dims.hidden_size, torch.float32, exposer=exposer)
+    ids = torch.ones(1, rows, dtype=torch.long)
+    issue_tickets(slot, PaddedBatch([0], ids, ids, torch.tensor([rows])))
+    t = slot.read_ticket(0)
+    t.nonce = 7
+    slot.write_ticket(0, t)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    args = (slot.location, str(slot.path), rows, dims.aux_width, dims.hidden_size, reps, child)
+    proc = ctx.Process(target=_writer, args=args)
+    proc.start()
+    times = parent.recv()
+    proc.join(60)
+    assert slot.read_ticket(0).status == DONE, "the writer wrote nothing"
+    nbytes = rows * (dims.aux_width + dims.hidden_size) * 4
+    slot.close()
+    return tuple(nbytes / statistics.median(times[k]) / 1e9 for k in ("shm", "mooncake"))
+
+
+def _request_seconds(target: str, rows: int, reps: int) -> tuple[float, float]:
+    import torch
+
+    from specforge_dspark.cli.bench.capture import _recipe
+    from specforge_dspark.engines.features import PaddedBatch
+    from specforge_dspark.engines.sglang import SGLangEngine
+
+    ids = torch.randint(10, 1000, (1, rows), generator=torch.Generator().manual_seed(0))
+    batch = PaddedBatch([0], ids, torch.ones_like(ids), torch.tensor([rows]))
+    with tempfile.TemporaryDirectory(prefix="bench-transport-") as out:
+        recipe = _recipe(target, out, rows)
+        recipe.target.sglang.host = "127.0.0.2"
+        starter = SGLangEngine(recipe, rank=0, world_size=1, num_slots=1)
+        engines = {"shm": starter}
+        try:
+            starter.wait_ready()
+            url = starter.url
+            for kind in ("mooncake",):
+                r = _recipe(target, out, rows)
+                r.target.sglang.url, r.target.transport = url, kind
+                engines[kind] = SGLangEngine(r, rank=0, world_size=1, num_slots=1)
+                engines[kind].wait_ready()
+            times: dict[str, list[float]] = {"shm": [], "mooncake": []}
+            for i in range(reps + 1):
+                for kind in ("shm", "mooncake") if i % 2 else ("mooncake", "shm"):
+                    t = time.perf_counter()
+                    engines[kind].submit(i, batch)
+                    engines[kind].result(i, batch, time.monotonic() + 600)
+                    if i:
+                        times[kind].append(time.perf_counter() - t)
+        finally:
+            for engine in engines.values():
+                engine.close()
+    return tuple(statistics.median(times[k]) for k in ("shm", "mooncake"))
+
+
+def bench_main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from specforge_dspark.tiny.target import build
+
+    ap = argparse.ArgumentParser(
+        prog="bench transport",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--target", default=".cache/tiny_qwen3", help="built here if missing")
+    ap.add_argument("--seq-len", type=int, default=2048, help="tokens per request")
+    ap.add_argument("--repeats", type=int, default=20, help="timed requests per transport")
+    a = ap.parse_args(argv)
+    log = lambda *x: print(*x, file=sys.stderr, flush=True)  # noqa: E731
+    target = str(build(Path(a.target), arch="qwen3", log=log))
+    shm, mc = _write_rates(target, a.seq_len, a.repeats * 5)
+    print(
+        f"transport write shm_gb_per_s={shm:.3g} mooncake_gb_per_s={mc:.3g} "
+        f"ratio={mc / shm:.3g} ({a.seq_len} tokens a request)",
+        flush=True,
+    )
+    shm_s, mc_s = _request_seconds(target, a.seq_len, a.repeats)
+    print(
+        f"transport request shm_s={shm_s:.4g} mooncake_s={mc_s:.4g} ratio={mc_s / shm_s:.3g} "
+        f"(one step's features, {a.seq_len} tokens, live CPU SGLang server, medians of "
+        f"{a.repeats})",
+        flush=True,
+    )
+    return 0

@@ -1,0 +1,103 @@
+"""ServerPool's routing without servers (engines/pool.py): requests go to the live server
+with the fewest outstanding tokens, a lost server's requests in flight are sent again to
+the others while those in flight elsewhere are not sent twice, and the run stops naming
+the pool once every server is lost. The pool against live servers, one of them killed
+mid-run: tests/test_sglang_live.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specforge_dspark.config.recipe import RecipeError, recipe_from_dict
+from specforge_dspark.engines.features import PaddedBatch, TargetGone, TargetLost
+from specforge_dspark.engines.pool import ServerPool
+
+URLS = ["http://10.0.0.1:30000", "http://10.0.0.2:30000", "http://10.0.0.3:30000"]
+
+
+class FakeServer:
+    """A member: records what it was sent; `dead` makes its results fail."""
+
+    engine = "sglang"
+
+    def __init__(self, recipe, rank, world_size, num_slots, shared=None):
+        self.url = recipe.target.sglang.url
+        self.name = f"sglang server {self.url}"
+        self.shared, self.sent, self.dead, self.closed = shared, [], False, False
+
+    def wait_ready(self):
+        pass
+
+    def submit(self, seq, batch):
+        self.sent.append(seq)
+
+    def result(self, seq, batch, deadline):
+        if self.dead:
+            raise TargetLost(f"{self.name}: connection refused")
+        return (self.url, seq)
+
+    def close(self):
+        self.closed = True
+
+
+def _recipe(**sglang):
+    return recipe_from_dict(
+        {
+            "target": {"backend": "sglang", "sglang": sglang},
+            "draft": {"target_layer_ids": [0, 1], "num_target_layers": 4},
+        }
+    )
+
+
+def _batch(n: int) -> PaddedBatch:
+    ids = torch.ones(1, n, dtype=torch.long)
+    return PaddedBatch([n], ids, ids, torch.tensor([n]))
+
+
+def test_requests_go_to_the_fewest_outstanding_tokens_and_a_lost_servers_move():
+    pool = ServerPool(FakeServer, _recipe(urls=URLS), 0, 1, 4)
+    a, b, c = pool.members
+    assert a.shared is None and b.shared is a and c.shared is a  # one set of slots
+    lengths = {0: 100, 1: 10, 2: 30, 3: 50}
+    for seq, n in lengths.items():
+        pool.submit(seq, _batch(n))
+    # 0 -> a (all empty); 1 -> b; 2 -> c; 3 -> b (10 outstanding, fewest)
+    assert (a.sent, b.sent, c.sent) == ([0], [1, 3], [2])
+    assert pool.result(0, _batch(100), 0.0) == (URLS[0], 0)
+    pool.submit(4, _batch(20))  # a now holds nothing
+    assert a.sent == [0, 4]
+
+    b.dead = True
+    with pytest.raises(TargetLost):
+        pool.result(1, _batch(10), 0.0)
+    pool.restart()  # the stream then re-sends every pending request, in order
+    for seq in (1, 2, 3, 4):
+        pool.submit(seq, _batch(lengths.get(seq, 20)))
+    assert pool.live == [a, c]
+    # 2 (on c) and 4 (on a) are not sent again; b's 1 and 3 move: 1 -> a (20 outstanding
+    # against c's 30), then 3 -> a (30 against 30: the first listed)
+    assert (a.sent, c.sent) == ([0, 4, 1, 3], [2])
+    assert [pool.result(s, _batch(1), 0.0)[0] for s in (1, 2, 3, 4)] == [
+        URLS[0], URLS[2], URLS[0], URLS[0]
+    ]  # fmt: skip
+
+    a.dead = c.dead = True
+    pool.submit(5, _batch(5))
+    with pytest.raises(TargetLost):
+        pool.result(5, _batch(5), 0.0)
+    pool.restart()
+    pool.submit(5, _batch(5))
+    with pytest.raises(TargetLost):
+        pool.result(5, _batch(5), 0.0)
+    with pytest.raises(TargetGone, match="every server of target.sglang.urls is lost"):
+        pool.restart()
+    pool.close()
+    assert a.closed and b.closed and c.closed
+
+
+def test_a_pool_is_attached_and_named_once():
+    with pytest.raises(RecipeError, match="set url .one server. or urls .a pool., not both"):
+        _recipe(url=URLS[0], urls=URLS[1:])
+    r = _recipe(urls=URLS, startup_timeout_s=10**6)  # attached: no restart budget applies
+    assert r.target.sglang.urls == URLS
