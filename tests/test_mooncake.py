@@ -94,7 +94,7 @@ def test_bytes_outside_the_slot_are_refused_before_any_transfer():
 
 def test_an_environment_without_mooncake_is_told_what_to_install(repo):
     """The vLLM venv has no Mooncake: the transport names the wheel and the Debian packages."""
-    code = "from specforge_dspark.engines import mooncake as m; m.transfer_engine('127.0.0.1', 'tcp', '')"
+    code = "from specforge_dspark.engines import mooncake as m\nm.transfer_engine('::1', 'tcp', '')"
     r = subprocess.run(
         [str(repo / ".venv-vllm" / "bin" / "python"), "-c", code], capture_output=True, text=True
     )
