@@ -155,6 +155,14 @@ def test_split_prefills_arrive_whole(chunked_server, tiny_qwen3_dir):
     over_mooncake = _collect(recipe, batches)
     assert _max_diff(over_mooncake, ref) <= 1e-5
     assert "listening on 127.0.0.3" in chunked_server.log_path.read_text()
+    # and as fp8 rows with per-row scales: each element within 1/16 of its row's largest
+    recipe.target.transport_dtype = "fp8_e4m3"
+    fp8 = _collect(recipe, batches)
+    for (_, aux, last), (_, want_aux, want_last) in zip(fp8, ref, strict=True):
+        assert aux.dtype == torch.float32
+        for got, want in ((aux, want_aux), (last, want_last)):
+            amax = want.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+            assert 0 < float(((got - want).abs() / amax).max()) <= 1 / 16 + 1e-5
 
 
 # --------------------------------------------------------------------------- training

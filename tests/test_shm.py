@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specforge_dspark.config.recipe import recipe_from_dict
-from specforge_dspark.engines import features, shm, slot_budget
+from specforge_dspark.engines import features, pinning, shm, slot_budget
 from specforge_dspark.engines.features import PaddedBatch, TargetFeatures
 from specforge_dspark.engines.served import ServedEngine, issue_tickets
 from specforge_dspark.engines.shm import DTYPE_CODES, ShmSlot, SlotLayout
@@ -169,8 +169,8 @@ class _Runtime:
 def test_a_failed_cuda_host_register_leaves_no_cuda_error_behind(monkeypatch, caplog, error):
     runtime = _Runtime(error)
     monkeypatch.setattr(shm.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(shm.torch.cuda, "cudart", lambda: runtime)
-    monkeypatch.setattr(shm, "_cuda_runtime", lambda: runtime)
+    monkeypatch.setattr(pinning.torch.cuda, "cudart", lambda: runtime)
+    monkeypatch.setattr(pinning, "_cuda_runtime", lambda: runtime)
     slot = ShmSlot("registertest", aux_width=6, hidden=4, dtype=torch.float32)
     try:
         slot.prepare([3])
@@ -180,11 +180,11 @@ def test_a_failed_cuda_host_register_leaves_no_cuda_error_behind(monkeypatch, ca
             assert "failed (error 712; last error cleared)" in caplog.text
     finally:
         slot.close()
-    assert not runtime.registered and not shm._PINNED
+    assert not runtime.registered and not pinning._PINNED
 
 
 def test_without_a_cuda_runtime_loaded_there_is_no_error_to_clear():
-    assert shm.clear_cuda_error() == -1
+    assert pinning.clear_cuda_error() == -1
 
 
 def test_without_cuda_nothing_is_pinned_and_to_is_a_plain_copy(monkeypatch):
@@ -192,7 +192,7 @@ def test_without_cuda_nothing_is_pinned_and_to_is_a_plain_copy(monkeypatch):
     slot = ShmSlot("pintest", aux_width=6, hidden=4, dtype=torch.bfloat16)
     try:
         v = slot.prepare([3, 3])
-        assert slot.pinned == 0 and not shm._PINNED
+        assert slot.pinned == 0 and not pinning._PINNED
         v.aux.copy_(torch.randn(6, 6))
         v.last.copy_(torch.randn(6, 4))
         ids = torch.arange(6).view(2, 3)
@@ -221,10 +221,10 @@ def test_with_cuda_slots_are_pinned_and_the_copy_is_asynchronous():
         aux, last = v.padded(5)
         feats = TargetFeatures([0], ids, ids, torch.tensor([5]), aux, last)
         moved = feats.to("cuda")
-        assert moved.copy_done is not None and shm._PINNED[slot.pinned][1]
+        assert moved.copy_done is not None and pinning._PINNED[slot.pinned][1]
         assert torch.equal(moved.aux_hidden.cpu(), aux)
         slot.prepare([5])  # waits for the copy before the slot may be rewritten
-        assert moved.copy_done.query() and not shm._PINNED[slot.pinned][1]
+        assert moved.copy_done.query() and not pinning._PINNED[slot.pinned][1]
     finally:
         slot.close()
-    assert not shm._PINNED
+    assert not pinning._PINNED

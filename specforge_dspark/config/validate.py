@@ -164,6 +164,11 @@ def validate(r: Recipe) -> list[str]:
         f"target.transport=mooncake: only the sglang backend writes through Mooncake "
         f"(target.backend is {g.backend}); use target.transport=shm",
     )
+    need(
+        g.transport_dtype == "auto" or g.backend == "sglang",
+        f"target.transport_dtype={g.transport_dtype}: only the sglang backend's writer "
+        f"quantizes rows (target.backend is {g.backend}); use target.transport_dtype=auto",
+    )
     s = g.sglang
     need(not (s.url and s.urls), "target.sglang: set url (one server) or urls (a pool), not both")
     need(all(s.urls), "target.sglang.urls: an empty URL")

@@ -44,7 +44,7 @@ from typing import Any, Literal
 
 import torch
 
-from specforge_dspark.engines.shm import note_read
+from specforge_dspark.engines.pinning import note_read
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -99,7 +99,7 @@ class TargetFeatures:
         """These features on `device`. Host -> GPU (CUDA present) is asynchronous whatever
         `non_blocking` says: the copies run on a side stream, the current stream waits on
         their event (the result's `copy_done`) and the pinned slot they read is not
-        rewritten before they are done (shm.note_read). Otherwise `Tensor.to` as asked."""
+        rewritten before they are done (pinning.note_read). Otherwise `Tensor.to` as asked."""
         if (
             torch.device(device).type == "cuda"
             and self.aux_hidden.device.type == "cpu"

@@ -17,8 +17,8 @@ variable `SFDSPARK_MOONCAKE_DEVICE` on the writer's. Each side's address is the 
 that routes to the other (`local_address`) unless given (`target.mooncake.host`,
 `SFDSPARK_MOONCAKE_HOST`).
 
-Imports only the standard library, torch and shm.py (mooncake when first used): the writer runs in
-the engine's own environment, installed there with `--no-deps`.
+Imports only the standard library, torch and pinning.py (mooncake when first used): the
+writer runs in the engine's own environment, installed there with `--no-deps`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from specforge_dspark.engines.shm import buffer_address
+from specforge_dspark.engines.pinning import buffer_address
 
 SCHEME = "mooncake://"
 _LOCATION = re.compile(r"^mooncake://(tcp|rdma)@([^/@]+:\d+)/([0-9a-f]+)/(\d+)$")

@@ -51,7 +51,7 @@ from specforge_dspark.engines.server import (
     read_pid,
     say,
 )
-from specforge_dspark.engines.shm import DTYPE_CODES, ShmSlot, SlotViews
+from specforge_dspark.engines.shm import DTYPE_CODES, FP8, ShmSlot, SlotViews
 from specforge_dspark.engines.slot_budget import job_id, make_slots, sweep_stale_slots
 from specforge_dspark.engines.tickets import DONE, FAILED, PENDING, Ticket, new_nonce
 
@@ -81,8 +81,9 @@ class ServedEngine:
         if shared is None:
             sweep_stale_slots(job_id(recipe))
             dims, exposer = self.dims, Exposer.for_recipe(recipe, self.url)
+            wire = FP8 if t.transport_dtype == "fp8_e4m3" else self.dtype
             self.slots = make_slots(
-                rank, num_slots, dims.aux_width, dims.hidden_size, self.dtype, recipe, None, exposer
+                rank, num_slots, dims.aux_width, dims.hidden_size, wire, recipe, None, exposer
             )
             self.slot_busy: list[Future | None] = [None] * num_slots
         else:
@@ -238,7 +239,7 @@ class ServedEngine:
         for b, n in enumerate(views.lengths):
             self._wait_ticket(slot, b, n, deadline, f"{what}, sequence {b}")
             self.finish(views, b, n)
-        aux, last = views.padded(batch.shape[1])
+        aux, last = views.padded(batch.shape[1], self.dtype)
         return TargetFeatures(
             batch.sample_ids, batch.input_ids, batch.loss_mask, batch.lengths, aux, last
         )

@@ -28,13 +28,11 @@ tickets.py: the slot writer uses it inside every engine's server.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 import os
 import struct
 import tempfile
-import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from specforge_dspark.engines.pinning import pin, unpin, wait_reads
 from specforge_dspark.engines.ragged import pad_rows, starts
 from specforge_dspark.engines.tickets import TICKET_SIZE, Ticket
 
@@ -50,12 +49,16 @@ logger = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 FILE_PREFIX = "sfdspark-"
 
-DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+FP8 = torch.float8_e4m3fn
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, FP8: 4
+}  # fmt: skip
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
-_HEADER = struct.Struct("<8s9q")  # magic, capacity, max_seqs, D, H, dtype, 4 offsets
+_HEADER = struct.Struct("<8s10q")  # magic, capacity, max_seqs, D, H, dtype, 5 offsets
 HEADER_SIZE = _HEADER.size
-_MAGIC = b"SFDSPK02"  # 02: ragged rows
+_MAGIC = b"SFDSPK03"  # 03: per-row scales of fp8 rows
 
 
 def _align(n: int) -> int:
@@ -73,6 +76,7 @@ class SlotLayout:
     ids_off: int
     aux_off: int
     last_off: int
+    scales_off: int  # fp8 only: float32 [capacity] aux scales, then [capacity] last scales
     nbytes: int
 
     @staticmethod
@@ -82,9 +86,10 @@ class SlotLayout:
         ids = _align(tickets + max_seqs * TICKET_SIZE)
         aux = _align(ids + capacity * 8)
         last = _align(aux + capacity * aux_width * item)
-        end = _align(last + capacity * hidden * item)
+        scales = _align(last + capacity * hidden * item)
+        end = _align(scales + (2 * capacity * 4 if dtype == FP8 else 0))
         return SlotLayout(
-            capacity, max_seqs, aux_width, hidden, dtype, tickets, ids, aux, last, end
+            capacity, max_seqs, aux_width, hidden, dtype, tickets, ids, aux, last, scales, end
         )
 
     def pack(self) -> bytes:
@@ -99,18 +104,17 @@ class SlotLayout:
             self.ids_off,
             self.aux_off,
             self.last_off,
+            self.scales_off,
         )
 
     @staticmethod
     def unpack(buf, where: str) -> SlotLayout:
-        magic, cap, seqs, aux_w, hidden, code, t_off, i_off, a_off, l_off = _HEADER.unpack_from(
-            buf, 0
-        )
+        magic, cap, seqs, aux_w, hidden, code, *offs = _HEADER.unpack_from(buf, 0)
         if magic != _MAGIC or code not in CODE_DTYPES:
             raise RuntimeError(f"{where}: not a specforge_dspark feature slot (bad header)")
         plan = SlotLayout.plan(cap, seqs, aux_w, hidden, CODE_DTYPES[code])
-        offsets = (plan.tickets_off, plan.ids_off, plan.aux_off, plan.last_off)
-        if offsets != (t_off, i_off, a_off, l_off):
+        offsets = (plan.tickets_off, plan.ids_off, plan.aux_off, plan.last_off, plan.scales_off)
+        if offsets != tuple(offs):
             raise RuntimeError(f"{where}: slot header offsets disagree with its sizes")
         return plan
 
@@ -140,12 +144,12 @@ def view(buf, dtype: torch.dtype, offset: int, shape: tuple[int, ...]) -> torch.
     return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(shape)
 
 
-def buffer_address(buf: mmap.mmap) -> int:
-    """Address of a mapping; no export outlives the call (the mapping stays closable)."""
-    whole = torch.frombuffer(buf, dtype=torch.uint8)
-    addr = whole.data_ptr()
-    del whole
-    return addr
+def quantize_rows(x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 rows [N, D] (float8_e4m3fn) and their float32 scales [N]: x ~ q * scale, each
+    row's largest magnitude at FP8_MAX (an all-zero row: scale 1)."""
+    amax_N = x_ND.detach().abs().amax(-1).float()
+    scale_N = torch.where(amax_N > 0, amax_N / FP8_MAX, torch.ones_like(amax_N))
+    return (x_ND.float() / scale_N[:, None]).to(FP8), scale_N
 
 
 def release(buf: mmap.mmap | None) -> None:
@@ -156,91 +160,6 @@ def release(buf: mmap.mmap | None) -> None:
         buf.close()
     except BufferError:
         pass
-
-
-_PINNED: dict[int, tuple[int, list]] = {}  # address -> (bytes, events of copies reading it)
-_PIN_LOCK = threading.Lock()
-
-
-def pin(buf: mmap.mmap) -> int:
-    """Page-lock a mapping (cudaHostRegister) where CUDA is present: copies between it and
-    a GPU are then direct DMA at pinned bandwidth, and may be asynchronous. Returns its
-    address; 0 when not pinned (no CUDA, or the driver refused: copies still work, at
-    pageable bandwidth)."""
-    if not torch.cuda.is_available():
-        return 0
-    addr, nbytes = buffer_address(buf), len(buf)
-    err = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, 1))  # 1: Portable
-    if err != 0:
-        cleared = clear_cuda_error()
-        logger.warning(
-            "cudaHostRegister of a %d-byte slot failed (error %d; last error %s): copies "
-            "use pageable memory",
-            nbytes,
-            err,
-            "cleared" if cleared >= 0 else "not found to clear",
-        )
-        return 0
-    with _PIN_LOCK:
-        _PINNED[addr] = (nbytes, [])
-    return addr
-
-
-def clear_cuda_error() -> int:
-    """Reset this thread's CUDA "last error" (cudaGetLastError) and return it; -1 when no
-    CUDA runtime is loaded here. A failed cudaHostRegister leaves its error there, and the
-    process's next launch check (c10's, an engine's) would report it as its own."""
-    runtime = _cuda_runtime()
-    return -1 if runtime is None else int(runtime.cudaGetLastError())
-
-
-def _cuda_runtime():
-    """The CUDA runtime library this process loaded (torch's, in /proc/self/maps; a second
-    copy keeps its own last error), or None (torch.cuda.cudart() lacks cudaGetLastError)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/libcudart" in line}
-    except OSError:
-        return None
-    for path in sorted(paths):
-        try:
-            return ctypes.CDLL(path)
-        except OSError:
-            continue
-    return None
-
-
-def unpin(addr: int) -> None:
-    """Undo `pin` (0: nothing to undo), once the copies still reading the mapping are done."""
-    if not addr:
-        return
-    wait_reads(addr)
-    with _PIN_LOCK:
-        _PINNED.pop(addr, None)
-    torch.cuda.cudart().cudaHostUnregister(addr)
-
-
-def note_read(tensors: list[torch.Tensor], event) -> None:
-    """An asynchronous copy, done once `event` (a torch.cuda.Event) completes, reads
-    `tensors`: the pinned mapping holding any of them waits for it before it is rewritten
-    or unmapped (`wait_reads`)."""
-    with _PIN_LOCK:
-        for t in tensors:
-            ptr = t.data_ptr()
-            for addr, (nbytes, events) in _PINNED.items():
-                if addr <= ptr < addr + nbytes:
-                    events.append(event)
-
-
-def wait_reads(addr: int) -> None:
-    """Block until the asynchronous copies out of the mapping at `addr` are done."""
-    if not addr:
-        return
-    with _PIN_LOCK:
-        events = _PINNED.get(addr, (0, []))[1]
-        pending, events[:] = list(events), []
-    for event in pending:
-        event.synchronize()
 
 
 class SlotViews:
@@ -261,6 +180,10 @@ class SlotViews:
         self.input_ids = view(buf, torch.long, layout.ids_off, (T,))
         self.aux = view(buf, layout.dtype, layout.aux_off, (T, layout.aux_width))
         self.last = view(buf, layout.dtype, layout.last_off, (T, layout.hidden))
+        if layout.dtype == FP8:  # per-row scales: row r is aux[r] * aux_scale[r]
+            self.aux_scale = view(buf, torch.float32, layout.scales_off, (T,))
+            last_scales = layout.scales_off + layout.capacity * 4
+            self.last_scale = view(buf, torch.float32, last_scales, (T,))
 
     def rows(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence b's aux rows [n_b, D] and last-hidden rows [n_b, H]."""
@@ -278,10 +201,15 @@ class SlotViews:
         for b, (o, n) in enumerate(zip(self.starts, self.lengths, strict=True)):
             self.input_ids[o : o + n] = input_ids_BS[b, :n]
 
-    def padded(self, S: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """aux [B, S, D] and last [B, S, H], right-padded with zeros (`pad_rows`)."""
+    def padded(self, S: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+        """aux [B, S, D] and last [B, S, H], right-padded with zeros (`pad_rows`); fp8 rows
+        dequantized into `dtype`."""
         pin = torch.cuda.is_available()
-        return pad_rows(self.aux, self.lengths, S, pin), pad_rows(self.last, self.lengths, S, pin)
+        aux, last = self.aux, self.last
+        if self.layout.dtype == FP8:
+            aux = (aux.float() * self.aux_scale[:, None]).to(dtype)
+            last = (last.float() * self.last_scale[:, None]).to(dtype)
+        return pad_rows(aux, self.lengths, S, pin), pad_rows(last, self.lengths, S, pin)
 
 
 @dataclass(frozen=True)

@@ -30,16 +30,17 @@ from collections.abc import Sequence
 import torch
 
 from specforge_dspark.engines.mooncake import Remote, RemoteSlot
+from specforge_dspark.engines.pinning import pin, unpin
 from specforge_dspark.engines.shm import (
     CODE_DTYPES,
+    FP8,
     HEADER_SIZE,
     SlotLayout,
     SlotViews,
     identity,
     map_path,
-    pin,
+    quantize_rows,
     release,
-    unpin,
     view,
 )
 from specforge_dspark.engines.tickets import DONE, FAILED, PENDING, TICKET_SIZE, Ticket
@@ -145,13 +146,13 @@ class SlotAccess:
         else:
             self.remote.write([(off, t.pack())])
 
-    def put_rows(self, dtype: torch.dtype, pieces: list[tuple[int, torch.Tensor]]) -> None:
-        """Each (byte offset, rows [N, W]) piece into the slot, as `dtype`."""
+    def put_rows(self, pieces: list[tuple[int, torch.Tensor]]) -> None:
+        """Each (byte offset, tensor) piece into the slot, as its bytes."""
         if self.remote is not None:
-            self.remote.write([(off, rows.to(dtype)) for off, rows in pieces])
+            self.remote.write(pieces)
             return
         for off, rows in pieces:
-            view(self.buf, dtype, off, tuple(rows.shape)).copy_(rows)
+            view(self.buf, rows.dtype, off, tuple(rows.shape)).copy_(rows)
 
 
 def write_features(
@@ -173,17 +174,29 @@ def write_features(
         if problem:
             t.status, t.error = FAILED, problem
         elif t.status != FAILED:
-            dtype = CODE_DTYPES[t.dtype_code]
-            item = torch.empty((), dtype=dtype).element_size()
-            aux_off = t.aux_off + row0 * t.aux_width * item
-            last_off = t.last_off + row0 * t.hidden * item
-            slot.put_rows(dtype, [(aux_off, aux_ND), (last_off, last_NH)])
+            slot.put_rows(_pieces(slot.layout, t, row0, aux_ND, last_NH))
             t.written = row0 + rows
             t.status = DONE if t.written == t.rows else PENDING
         if _mine(slot, nonce, ticket) is not None:
             slot.put_ticket(ticket, t)
     except Exception:
         logger.exception("specforge_dspark: could not hand features to %s", location)
+
+
+def _pieces(lay: SlotLayout, t: Ticket, row0: int, aux_ND, last_NH) -> list:
+    """(byte offset, tensor) of rows [row0, row0 + N) of ticket `t`'s sequence, in the
+    slot's dtype; fp8 rows quantized where they are (on the GPU in production: fewer
+    bytes to the host) with their per-row scales beside them (shm.SlotLayout)."""
+    dtype = CODE_DTYPES[t.dtype_code]
+    item = torch.empty((), dtype=dtype).element_size()
+    aux_off = t.aux_off + row0 * t.aux_width * item
+    last_off = t.last_off + row0 * t.hidden * item
+    if dtype != FP8:
+        return [(aux_off, aux_ND.to(dtype)), (last_off, last_NH.to(dtype))]
+    (aux_q, aux_s), (last_q, last_s) = quantize_rows(aux_ND), quantize_rows(last_NH)
+    row = (aux_off - lay.aux_off) // (t.aux_width * item)  # the slot row of the first
+    aux_scales, last_scales = lay.scales_off + row * 4, lay.scales_off + (lay.capacity + row) * 4
+    return [(aux_off, aux_q), (last_off, last_q), (aux_scales, aux_s), (last_scales, last_s)]
 
 
 def _mine(slot: SlotAccess, nonce: int, index: int) -> Ticket | None:

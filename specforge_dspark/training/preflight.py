@@ -105,7 +105,8 @@ def preflight(
     """Run every check on an open FeatureStream (`stream.iterate`); print the table with
     `log`; raise PreflightError naming the failures. The stream's wait/bytes counters are
     left as they were, so training's first log window does not count the preflight."""
-    t, dtype = recipe.target, recipe.target.dtype
+    t = recipe.target
+    dtype = t.transport_dtype if t.transport_dtype != "auto" else t.dtype  # the tolerances
     counters = (stream.wait_seconds, stream.bytes_out)
     ref = load_reference(recipe, reference)
     url = getattr(stream.engine, "url", None) if t.backend == "sglang" else None
