@@ -30,7 +30,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _recipe(target: str, output_dir: str, max_length: int):
+def bench_recipe(target: str, output_dir: str, max_length: int):
     from specforge_dspark.config.recipe import recipe_from_dict
 
     return recipe_from_dict(
@@ -96,7 +96,7 @@ def bench_main(argv: list[str] | None = None) -> int:
     target = str(build(Path(a.target), arch="qwen3", log=log))
     context = read_target_config(target)["max_position_embeddings"]
     with tempfile.TemporaryDirectory(prefix="bench-capture-") as out:
-        engine = SGLangEngine(_recipe(target, out, context), rank=0, world_size=1, num_slots=2)
+        engine = SGLangEngine(bench_recipe(target, out, context), rank=0, world_size=1, num_slots=2)
         try:
             t0 = time.monotonic()
             engine.wait_ready()

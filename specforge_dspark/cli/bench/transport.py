@@ -80,14 +80,14 @@ def _write_rates(target: str, rows: int, reps: int) -> tuple[float, float]:
 def _request_seconds(target: str, rows: int, reps: int) -> tuple[float, float]:
     import torch
 
-    from specforge_dspark.cli.bench.capture import _recipe
+    from specforge_dspark.cli.bench.capture import bench_recipe
     from specforge_dspark.engines.features import PaddedBatch
     from specforge_dspark.engines.sglang import SGLangEngine
 
     ids = torch.randint(10, 1000, (1, rows), generator=torch.Generator().manual_seed(0))
     batch = PaddedBatch([0], ids, torch.ones_like(ids), torch.tensor([rows]))
     with tempfile.TemporaryDirectory(prefix="bench-transport-") as out:
-        recipe = _recipe(target, out, rows)
+        recipe = bench_recipe(target, out, rows)
         recipe.target.sglang.host = "127.0.0.2"
         starter = SGLangEngine(recipe, rank=0, world_size=1, num_slots=1)
         engines = {"shm": starter}
@@ -95,7 +95,7 @@ def _request_seconds(target: str, rows: int, reps: int) -> tuple[float, float]:
             starter.wait_ready()
             url = starter.url
             for kind in ("mooncake",):
-                r = _recipe(target, out, rows)
+                r = bench_recipe(target, out, rows)
                 r.target.sglang.url, r.target.transport = url, kind
                 engines[kind] = SGLangEngine(r, rank=0, world_size=1, num_slots=1)
                 engines[kind].wait_ready()
