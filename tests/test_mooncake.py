@@ -126,3 +126,23 @@ def test_the_server_command_for_a_capture_node(capsys):
     assert "--host 10.1.2.3" in command and "--enable-return-aux-hidden-states" in command
     assert main([*args, "target.backend=hf"]) == 2
     assert "this prints SGLang's" in capsys.readouterr().err
+
+
+def test_a_server_that_writes_nothing_is_told_where_it_had_to_write():
+    """Nothing arrives (a server that cannot reach the trainer's engine): the wait ends at
+    its deadline naming the address the server had to write to, and the key that sets it."""
+    from specforge_dspark.engines.served import ServedEngine
+
+    exposer = Exposer("http://127.0.0.2:1", "tcp")
+    slot = ShmSlot("mcsilent", aux_width=D, hidden=H, dtype=torch.float32, exposer=exposer)
+    views = slot.prepare([4])
+    code = DTYPE_CODES[torch.float32]
+    slot.write_ticket(0, Ticket(PENDING, 4, 0, *views.offsets(0), D, H, code, nonce=5))
+    engine = ServedEngine.__new__(ServedEngine)
+    engine.engine, engine.url, engine.keeper, engine.timeout_s = "sglang", "http://x:1", None, 1.0
+    with pytest.raises(RuntimeError) as e:
+        engine._wait_ticket(slot, 0, 4, 0.0, "batch 3")
+    assert "answered batch 3 but wrote no features within target.timeout_s=1s" in str(e.value)
+    assert f"writes to this rank at {exposer.peer} (tcp)" in str(e.value)
+    assert "target.mooncake.host" in str(e.value)
+    slot.close()

@@ -188,23 +188,24 @@ class RemoteSlot:
             return stage[:n].numpy().tobytes()
 
     def write(self, pieces: list[tuple[int, torch.Tensor | bytes]]) -> None:
-        """Write each (offset, tensor or bytes) piece, tensors as their bytes, in one batch."""
-        datas = [
-            torch.frombuffer(bytearray(p), dtype=torch.uint8)
-            if isinstance(p, bytes)
-            else p.detach().contiguous().cpu().view(-1).view(torch.uint8)
+        """Write each (offset, tensor or bytes) piece, tensors as their bytes, in one batch.
+        A tensor is copied once, wherever it lives (a GPU in production), straight into
+        the registered staging bytes, each piece at a 64-byte boundary there."""
+        tensors = [
+            torch.frombuffer(bytearray(p), dtype=torch.uint8) if isinstance(p, bytes) else p
             for _, p in pieces
         ]
-        sizes = [d.numel() for d in datas]
+        sizes = [t.numel() * t.element_size() for t in tensors]
         for (off, _), n in zip(pieces, sizes, strict=True):
             self._check(off, n)
+        starts = [0]
+        for n in sizes[:-1]:
+            starts.append(starts[-1] + (n + 63) // 64 * 64)
         with _STAGING.lock:
-            stage = _STAGING.fit(self.engine, sum(sizes))
-            srcs, at = [], 0
-            for d, n in zip(datas, sizes, strict=True):
-                stage[at : at + n] = d
-                srcs.append(stage.data_ptr() + at)
-                at += n
+            stage = _STAGING.fit(self.engine, starts[-1] + sizes[-1])
+            for t, at, n in zip(tensors, starts, sizes, strict=True):
+                stage[at : at + n].view(t.dtype).view(t.shape).copy_(t.detach())
+            srcs = [stage.data_ptr() + at for at in starts]
             dsts = [self.remote.addr + off for off, _ in pieces]
             status = self.engine.batch_transfer_sync_write(self.remote.peer, srcs, dsts, sizes)
             self._done(status, "write", pieces[0][0], sum(sizes))

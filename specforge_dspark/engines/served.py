@@ -278,7 +278,7 @@ class ServedEngine:
             if time.monotonic() >= deadline:
                 raise RuntimeError(
                     f"{self.name} answered {what} but wrote no features within "
-                    f"target.timeout_s={self.timeout_s:g}s{self.no_features_hint}"
+                    f"target.timeout_s={self.timeout_s:g}s{self.no_features_hint}{_reach(slot)}"
                 )
             time.sleep(0.005)
 
@@ -314,3 +314,15 @@ def check_reply(reply: Any, name: str, what: str) -> None:
         finish = (out.get("meta_info") or {}).get("finish_reason") or {}
         if isinstance(finish, dict) and finish.get("type") == "abort":
             raise RuntimeError(f"{name} aborted {what}: {finish.get('message')}")
+
+
+def _reach(slot: ShmSlot) -> str:
+    """With Mooncake, where the server had to write (what to check when nothing came)."""
+    exposer = slot.exposer
+    if exposer is None:
+        return ""
+    return (
+        f"; with target.transport=mooncake the server writes to this rank at "
+        f"{exposer.peer} ({exposer.protocol}): can it reach that address "
+        "(target.mooncake.host)? its log names the failed transfer"
+    )
