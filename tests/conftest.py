@@ -147,12 +147,18 @@ def tiny_qwen3_dir() -> Path:
 @pytest.fixture(scope="session")
 def sglang_server(tiny_qwen3_dir, tmp_path_factory):
     """One live CPU SGLang server for the tiny Qwen3 target, shared by the session's
-    tests (aux layers 0, 1, 2; fp32; whole prefills), on its own loopback address
-    127.0.0.2 (the trainers' Mooncake engines listen on 127.0.0.1). Yields its base URL."""
+    tests (aux layers 0, 1, 2; fp32; whole prefills), on a host of its own: a network
+    namespace behind a veth pair (tests/netns.py; else the loopback address 127.0.0.2).
+    Yields the LiveServer (`url`, `host`, `log_path`, `pid`)."""
     from tests.live_sglang import LiveServer
+    from tests.netns import ServerHost
 
-    with LiveServer(tiny_qwen3_dir, tmp_path_factory.mktemp("sglang"), "127.0.0.2") as server:
-        yield _serving("sglang_server", server)
+    with ServerHost() as host:
+        if host.why:
+            print(f"sglang_server: on {host.address}: {host.why}")
+        log_dir = tmp_path_factory.mktemp("sglang")
+        with LiveServer(tiny_qwen3_dir, log_dir, host.address, host.python) as server:
+            yield _serving("sglang_server", server)
 
 
 @pytest.fixture(scope="session")

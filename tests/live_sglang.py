@@ -23,7 +23,12 @@ def free_port() -> int:
 
 
 def tiny_sglang_recipe(
-    target_dir: Path, url: str | None = None, port: int = 0, host: str = "127.0.0.1", **server_args
+    target_dir: Path,
+    url: str | None = None,
+    port: int = 0,
+    host: str = "127.0.0.1",
+    python: str = ".venv-sglang/bin/python",
+    **server_args,
 ):
     """A recipe whose target is the tiny Qwen3 behind a CPU SGLang server."""
     return recipe_from_dict(
@@ -34,7 +39,13 @@ def tiny_sglang_recipe(
                 "device": "cpu",
                 "prefetch": 3,
                 "timeout_s": 60,
-                "sglang": {"url": url, "host": host, "port": port, "server_args": server_args},
+                "sglang": {
+                    "url": url,
+                    "host": host,
+                    "port": port,
+                    "python": python,
+                    "server_args": server_args,
+                },
             },
             "draft": {"target_layer_ids": LAYERS, "num_target_layers": 4, "vocab_size": 1088},
             "data": {"max_length": 384},
@@ -44,12 +55,22 @@ def tiny_sglang_recipe(
 
 class LiveServer:
     """`with LiveServer(target, log_dir, **server_args) as s:` s.url, s.log_path, s.pid;
-    on `host` (another loopback address: a server the trainer reaches only by network)."""
+    on `host` (another address: a server the trainer reaches only by network), run by
+    `python` (SGLang's interpreter, or a wrapper that runs it elsewhere: tests/netns.py)."""
 
-    def __init__(self, target_dir: Path, log_dir: Path, host: str = "127.0.0.1", **server_args):
-        self.port = free_port()
+    def __init__(
+        self,
+        target_dir: Path,
+        log_dir: Path,
+        host: str = "127.0.0.1",
+        python: str = ".venv-sglang/bin/python",
+        **server_args,
+    ):
+        self.port, self.host = free_port(), host
         self.url = f"http://{host}:{self.port}"
-        recipe = tiny_sglang_recipe(target_dir, port=self.port, host=host, **server_args)
+        recipe = tiny_sglang_recipe(
+            target_dir, port=self.port, host=host, python=python, **server_args
+        )
         self.log_path = Path(log_dir) / f"sglang-{self.port}.log"
         t0 = time.monotonic()
         python = recipe.target.sglang.python  # SGLang's own venv, as the trainer starts it

@@ -226,23 +226,25 @@ def test_thirty_steps_on_the_live_server_match_the_hf_backend(runs):
 
 @pytest.mark.slow
 def test_features_over_mooncake_train_exactly_as_over_shared_memory(runs, sglang_server):
-    """The server on its own loopback address (127.0.0.2) writes every row through
-    Mooncake's Transfer Engine (TCP) into the trainer's registered slots: no slot path
-    reaches it, and the 30 steps' losses and weights equal the /dev/shm run's."""
+    """The server on a host of its own (a network namespace behind a veth pair, else the
+    loopback address 127.0.0.2: tests/netns.py) writes every row through Mooncake's
+    Transfer Engine (TCP) into the trainer's registered slots: no slot path reaches it,
+    and the 30 steps' losses and weights equal the /dev/shm run's."""
     shm, mc = _losses(runs / "sglang"), _losses(runs / "mooncake")
     assert sorted(mc) == list(range(1, STEPS + 1)) and mc == shm
     a, b = _weights(runs / "sglang"), _weights(runs / "mooncake")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     job = (runs / "mooncake" / "job.log").read_text()
-    assert job.count("P2P handshake, listening on 127.0.0.1") == 2, job[-3000:]  # one per rank
-    assert "listening on 127.0.0.2" in sglang_server.log_path.read_text()  # the writer
+    trainers = re.findall(r"P2P handshake, listening on ([\d.]+):\d+", job)
+    assert len(trainers) == 2 and sglang_server.host not in trainers, job[-3000:]  # per rank
+    assert f"listening on {sglang_server.host}:" in sglang_server.log_path.read_text()
 
 
 @pytest.mark.slow
 def test_a_pool_loses_a_server_mid_run_and_trains_every_sample_once(
     runs, sglang_server, chunked_server
 ):
-    """Two servers on their own addresses (127.0.0.2, and 127.0.0.3 splitting prefills)
+    """Two servers on their own addresses (the shared one's, and 127.0.0.3 splitting prefills)
     feed two trainer ranks over Mooncake; the second is SIGKILLed at step 8: its requests
     go to the first, and every rank trains the uninterrupted run's samples, in order."""
     out = runs / "pool"
