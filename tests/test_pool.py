@@ -1,17 +1,22 @@
 """ServerPool's routing without servers (engines/pool.py): requests go to the live server
 with the fewest outstanding tokens, a lost server's requests in flight are sent again to
 the others while those in flight elsewhere are not sent twice, and the run stops naming
-the pool once every server is lost. The pool against live servers, one of them killed
+the pool once every server is lost; servers the node starts get their own ports and GPUs,
+and a lost one rejoins once it answers again. The pool against live servers, one of them killed
 mid-run: tests/test_sglang_live.py."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 from specforge_dspark.config.recipe import RecipeError, recipe_from_dict
+from specforge_dspark.engines import pool as pool_module
 from specforge_dspark.engines.features import PaddedBatch, TargetGone, TargetLost
-from specforge_dspark.engines.pool import ServerPool
+from specforge_dspark.engines.pool import PORT_STRIDE, ServerPool
+from specforge_dspark.engines.sglang import node_share
 
 URLS = ["http://10.0.0.1:30000", "http://10.0.0.2:30000", "http://10.0.0.3:30000"]
 
@@ -21,10 +26,23 @@ class FakeServer:
 
     engine = "sglang"
 
-    def __init__(self, recipe, rank, world_size, num_slots, shared=None):
-        self.url = recipe.target.sglang.url
-        self.name = f"sglang server {self.url}"
+    def __init__(self, recipe, rank, world_size, num_slots, shared=None, index=0):
+        s = recipe.target.sglang
+        self.url = s.url or f"http://{s.host}:{s.port}"
+        self.name, self.index, self.args = f"sglang server {self.url}", index, s.server_args
         self.shared, self.sent, self.dead, self.closed = shared, [], False, False
+        self.released = self.restarted = 0
+        self.up = True  # what answering() finds after a release
+
+    def release(self):
+        self.released += 1
+
+    def answering(self):
+        return self.up
+
+    def restart(self):
+        self.restarted += 1
+        self.dead = False
 
     def wait_ready(self):
         pass
@@ -41,10 +59,10 @@ class FakeServer:
         self.closed = True
 
 
-def _recipe(**sglang):
+def _recipe(device: str = "cpu", **sglang):
     return recipe_from_dict(
         {
-            "target": {"backend": "sglang", "sglang": sglang},
+            "target": {"backend": "sglang", "device": device, "sglang": sglang},
             "draft": {"target_layer_ids": [0, 1], "num_target_layers": 4},
         }
     )
@@ -101,3 +119,53 @@ def test_a_pool_is_attached_and_named_once():
         _recipe(url=URLS[0], urls=URLS[1:])
     r = _recipe(urls=URLS, startup_timeout_s=10**6)  # attached: no restart budget applies
     assert r.target.sglang.urls == URLS
+
+
+def test_started_servers_get_their_own_ports_and_gpus_and_a_lost_one_comes_back(monkeypatch):
+    recipe = _recipe("cuda", servers_per_node=3, port=31000, server_args={"tp_size": 2})
+    gpus = [m.args.get("base_gpu_id", 0) for m in ServerPool(FakeServer, recipe, 0, 1, 4).members]
+    assert gpus == [0, 2, 4]  # tp 2 each
+    assert recipe.target.sglang.server_args == {"tp_size": 2}  # the caller's recipe as it was
+    recipe = _recipe(servers_per_node=3, port=31000, server_args={"tp_size": 2})
+    pool = ServerPool(FakeServer, recipe, 0, 1, 4)
+    a, b, c = pool.members
+    assert [m.url for m in pool.members] == [
+        f"http://127.0.0.1:{31000 + i * PORT_STRIDE}" for i in range(3)
+    ]
+    assert [m.args.get("base_gpu_id", 0) for m in pool.members] == [0, 0, 0]  # CPU: cores
+    assert [m.index for m in pool.members] == [0, 1, 2] and b.shared is a
+
+    clock = [100.0]
+    monkeypatch.setattr(pool_module.time, "monotonic", lambda: clock[0])
+    for seq in range(3):
+        pool.submit(seq, _batch(10))
+    b.dead, b.up = True, False
+    with pytest.raises(TargetLost):
+        pool.result(1, _batch(10), 0.0)
+    pool.restart()
+    assert pool.live == [a, c] and pool.resting == [b] and b.released == 1
+    pool.submit(1, _batch(10))  # b's request goes to another: b does not answer yet
+    assert b.sent == [1] and a.sent == [0, 1]
+    b.up = True
+    pool.submit(3, _batch(1))  # within READMIT_S of the last look: not looked at again
+    assert pool.live == [a, c]
+    clock[0] += pool_module.READMIT_S
+    pool.submit(4, _batch(1))  # b answers again: back, in its place, and the least loaded
+    assert pool.live == [a, b, c] and pool.resting == [] and b.sent == [1, 4]
+
+    for m in (a, b, c):  # every server lost: the run waits for the first to come back
+        m.dead = True
+        pool.lost = m
+        pool.restart()
+    assert a.restarted == 1 and pool.live == [a] and pool.resting == [b, c]
+    assert (a.released, b.released, c.released) == (1, 2, 1)
+
+
+def test_servers_per_node_is_for_started_servers(monkeypatch):
+    with pytest.raises(RecipeError, match="servers_per_node: servers the trainer starts"):
+        _recipe(servers_per_node=2, urls=URLS)
+    with pytest.raises(RecipeError, match="servers_per_node must be >= 1"):
+        _recipe(servers_per_node=0)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    assert [node_share(i, 2) for i in range(2)] == [[0, 1, 2], [3, 4]]
+    assert [node_share(i, 7) for i in (0, 6)] == [[0], [1]]  # fewer cores than servers

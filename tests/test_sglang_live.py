@@ -28,6 +28,8 @@ import pytest
 import torch
 
 from specforge_dspark.engines.features import Sample
+from specforge_dspark.engines.pool import PORT_STRIDE
+from specforge_dspark.engines.server import port_taken
 from specforge_dspark.training.stream import FeatureStream
 from tests.inject import drills
 from tests.live_sglang import LiveServer, free_port, tiny_sglang_recipe
@@ -314,53 +316,76 @@ def _reach(out: Path, job: subprocess.Popen, step: int, timeout: float = 300) ->
         time.sleep(0.1)
 
 
+def _ports_for(servers: int) -> int:
+    """A port p with p + PORT_STRIDE i free for each of the node's `servers`."""
+    while True:
+        port = free_port()
+        if port + PORT_STRIDE * servers < 65536 and all(
+            not port_taken("127.0.0.1", port + PORT_STRIDE * i) for i in range(1, servers)
+        ):
+            return port
+
+
 @pytest.mark.slow
-def test_killed_then_hung_server_is_restarted_and_the_run_is_unchanged(runs):
-    out, port = runs / "restarted", free_port()
-    url = f"http://127.0.0.1:{port}"
+def test_the_nodes_servers_are_killed_and_hung_and_the_run_is_unchanged(runs):
+    """The trainer starts two servers (target.sglang.servers_per_node=2). The second is
+    SIGKILLed at step 5: its requests go to the first while its keeper starts it again.
+    The first hangs at step 10 (SIGSTOP): found silent after target.timeout_s, it is
+    killed for its keeper to restart, and the run goes on with the second once that
+    answers (the wait a single server's run does). Every rank trains the uninterrupted
+    run's samples, in order, with its losses."""
+    out, port = runs / "restarted", _ports_for(2)
+    urls = [f"http://127.0.0.1:{port + PORT_STRIDE * i}" for i in (0, 1)]
+    pid_files = [out / "sglang_server_rank0.pid", out / "sglang_server1_rank0.pid"]
     # a small dist.timeout_s that still holds 2 restarts x 180 s (config/validate.py)
     job = _train(
-        out, "sglang", "--resume", "none", f"target.sglang.port={port}", "target.timeout_s=20",
+        out, "sglang", "--resume", "none", f"target.sglang.port={port}",
+        "target.sglang.servers_per_node=2", "target.timeout_s=20",
         "target.restart_backoff_s=0.2", "target.max_restarts=2",
         "target.sglang.startup_timeout_s=180", "dist.timeout_s=400", wait=False,
     )  # fmt: skip
-    pid_file = out / "sglang_server_rank0.pid"  # the server rank 0 started (its group leader)
     killed = stopped = 0
     try:
         _reach(out, job, 5)
-        killed = int(pid_file.read_text())
+        killed = int(pid_files[1].read_text())
         os.killpg(killed, signal.SIGKILL)  # the server and its scheduler, detokenizer
-        t0 = time.monotonic()
-        _reach(out, job, 15)
-        stopped = int(pid_file.read_text())
-        assert stopped != killed, "the killed server was not replaced"
+        _reach(out, job, 10)
+        stopped = int(pid_files[0].read_text())
         os.killpg(stopped, signal.SIGSTOP)  # a hang: alive, silent
-        assert job.wait(timeout=300) == 0, (out / "job.log").read_text()[-3000:]
+        t0 = time.monotonic()
+        assert job.wait(timeout=400) == 0, (out / "job.log").read_text()[-3000:]
         took = time.monotonic() - t0
     finally:
         if job.poll() is None:
             job.kill()
             job.wait()
-        last = int(pid_file.read_text()) if pid_file.is_file() else 0
-        for pid in {stopped, last} - {0}:  # nothing left behind when the test fails
+        last = {int(f.read_text()) for f in pid_files if f.is_file()}
+        for pid in {stopped} | last - {0}:  # nothing left behind when the test fails
             try:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
     text = (out / "job.log").read_text()
-    served = re.findall(PLUGIN_LOADED, (out / "sglang_server_rank0.log").read_text())
-    assert {Path(p).name for p, *_ in served} == {".venv-sglang"}, "started in SGLang's venv"
-    assert int(pid_file.read_text()) not in (killed, stopped), "the hung server was not replaced"
-    assert (
-        f"[rank 0] sglang server {url} (pid {killed}) died (exit code -9); restarting it (1 of "
-        "target.max_restarts=2 in a row) in 0.2s, to answer within "
-        "target.sglang.startup_timeout_s=180s"
-    ) in text
-    assert f"sglang server {url} (pid {stopped}) stopped answering" in text, text[-3000:]
-    pattern = rf"sglang server {url} \(pid \d+\) restarted in ([\d.]+)s"
-    restarts = [float(t) for t in re.findall(pattern, text)]
-    assert len(restarts) == 2, text[-3000:]
-    print(f"server restarts took {restarts} s; the faulted run took {took:.0f}s after the kill")
+    for i in (0, 1):
+        served = re.findall(PLUGIN_LOADED, pid_files[i].with_suffix(".log").read_text())
+        assert {Path(p).name for p, *_ in served} == {".venv-sglang"}, "started in SGLang's venv"
+        assert int(pid_files[i].read_text()) not in (killed, stopped), f"server {i} not replaced"
+    for url, pid in ((urls[1], killed), (urls[0], stopped)):  # each keeper on rank 0
+        assert (
+            f"[rank 0] sglang server {url} (pid {pid}) died (exit code -9); restarting it (1 of "
+            "target.max_restarts=2 in a row) in 0.2s, to answer within "
+            "target.sglang.startup_timeout_s=180s"
+        ) in text, text[-3000:]
+    assert f"sglang server {urls[0]} (pid {stopped}) stopped answering" in text, text[-3000:]
+    lost = re.findall(
+        r"sglang server (\S+) is lost: dropped from target.sglang.servers_per_node", text
+    )
+    assert set(lost) == set(urls), text[-3000:]  # rank 1's lines: the urls alone
+    restarts = re.findall(rf"sglang server {urls[1]} \(pid \d+\) restarted in ([\d.]+)s", text)
+    assert len(restarts) == 1, text[-3000:]  # the run waited for it once the first hung
+    print(
+        f"the killed server came back in {restarts[0]} s; the run took {took:.0f}s after the hang"
+    )
     want, got = _losses(runs / "sglang"), _losses(out)
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
     for step in want:

@@ -3,8 +3,8 @@
 `ServerKeeper` (engines/server.py) with a `sleep` process standing in for the
 server: a killed server is started again, its pid file follows, at most
 target.max_restarts times in a row, and an answered request resets the count; a
-stopped process group is killed whole. The live drill (SIGKILL and SIGSTOP of a real CPU
-server mid-run) is `test_killed_then_hung_server_is_restarted_and_the_run_is_unchanged`
+stopped process group is killed whole. The live drill (SIGKILL and SIGSTOP of real CPU
+servers mid-run) is `test_the_nodes_servers_are_killed_and_hung_and_the_run_is_unchanged`
 in tests/test_sglang_live.py; attached servers are in tests/test_engine_sglang.py.
 """
 

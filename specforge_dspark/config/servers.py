@@ -16,6 +16,11 @@ class SGLangServer:
     urls: list[str] = field(default_factory=list)
     """Attach to a pool of running servers instead (each rank balances its requests over
     them by outstanding tokens; a lost one's requests go to the others: engines/pool.py)."""
+    servers_per_node: int = 1
+    """Servers the node's local rank 0 starts (without url/urls): server i listens on
+    port + 16 i and takes the GPUs from base_gpu_id + i x (tp x dp x pp); every rank of
+    the node balances its requests over them, and a lost one's requests go to the others
+    while its keeper starts it again (engines/pool.py)."""
     host: str = "127.0.0.1"
     port: int = 30000
     python: str = ".venv-sglang/bin/python"

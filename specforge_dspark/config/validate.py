@@ -172,6 +172,12 @@ def validate(r: Recipe) -> list[str]:
     s = g.sglang
     need(not (s.url and s.urls), "target.sglang: set url (one server) or urls (a pool), not both")
     need(all(s.urls), "target.sglang.urls: an empty URL")
+    need(s.servers_per_node >= 1, "target.sglang.servers_per_node must be >= 1")
+    need(
+        s.servers_per_node == 1 or not (s.url or s.urls),
+        "target.sglang.servers_per_node: servers the trainer starts; with url or urls the "
+        "servers run elsewhere (list each one in target.sglang.urls)",
+    )
     problem = restart_budget_problem(r)
     need(not problem, problem)
     for problem in server_topology_problems(r):

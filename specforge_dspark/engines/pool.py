@@ -1,9 +1,13 @@
-"""A pool of target servers feeding one trainer rank (`target.sglang.urls`).
+"""A pool of target servers feeding one trainer rank: attached (`target.sglang.urls`) or
+started by the node (`target.sglang.servers_per_node`).
 
-N attached servers (anywhere: with `target.transport: mooncake` they write into this
+N servers (attached ones anywhere: with `target.transport: mooncake` they write into this
 rank's slots over the network) serve M trainer ranks in any ratio: every rank holds a
-`ServerPool` of one engine per URL, all writing to the rank's one set of slots (a member
-built with `shared=` the first), so the stream's slot discipline is the single server's.
+`ServerPool` of one engine per server, all writing to the rank's one set of slots (a
+member built with `shared=` the first), so the stream's slot discipline is the single
+server's. Started servers: the node's local rank 0 starts server i on port + 16 i
+(PORT_STRIDE: SGLang derives ports of its own above a server's port) with the GPUs from
+base_gpu_id + i x (tp x dp x pp), or on the CPU engine its share of the cores (CPU_BIND).
 
 Balancing: each request goes to the live server with the fewest outstanding tokens
 (its requests sent and not yet taken back), ties to the one listed first.
@@ -12,31 +16,73 @@ A lost server: the member whose request failed (TargetLost: unreachable; Timeout
 no answer within target.timeout_s) is dropped by `restart()`, which the stream calls
 before it re-sends its pending requests in order (training/stream.py); a request still in
 flight on a live server is not sent twice (`submit` skips it), those of the lost server
-go to the others, so the rank trains every sample once, in order. Once every server is
-lost the run stops (TargetGone) naming them.
+go to the others, so the rank trains every sample once, in order. An attached server is
+gone for the run; a started one is released (killed if hung) for its keeper to start
+again, and rejoins once it answers (looked at every READMIT_S, no probe: the same
+command came back). Once every server is lost the run stops (TargetGone) naming them,
+or, for started servers, waits for one to come back as a single server's run does.
 """
 
 from __future__ import annotations
 
 import copy
 import sys
+import time
 
 from specforge_dspark.engines.features import PaddedBatch, TargetFeatures, TargetGone, TargetLost
+
+PORT_STRIDE = 16
+READMIT_S = 2.0
+CPU_BIND = """On SGLang's CPU engine a rank's gpu id picks its entry of SGLANG_CPU_OMP_THREADS_BIND
+(utils/numa_utils.py `init_threads_binding`): each started CPU server keeps base_gpu_id 0
+and gets a bind list of its own share of the cores (sglang.node_share) instead."""
+
+
+def member_recipes(recipe, engine: str) -> list:
+    """One recipe per server of the pool: each attached URL, or each started server's
+    port and GPUs (module docstring)."""
+    section = getattr(recipe.target, engine)
+    if section.urls:
+        return [_with(recipe, engine, url=url) for url in section.urls]
+    args = section.server_args
+    gpus = 1
+    for key in ("tp_size", "dp_size", "pp_size"):
+        gpus *= int(args.get(key, 1))
+    base = int(args.get("base_gpu_id", 0))
+    gpus = 0 if recipe.target.device == "cpu" else gpus  # SGLang's CPU engine: see CPU_BIND
+    return [
+        _with(recipe, engine, port=section.port + i * PORT_STRIDE, base_gpu_id=base + i * gpus)
+        for i in range(section.servers_per_node)
+    ]
+
+
+def _with(recipe, engine: str, base_gpu_id: int | None = None, **fields):
+    one = copy.deepcopy(recipe)
+    section = getattr(one.target, engine)
+    for key, value in fields.items():
+        setattr(section, key, value)
+    if base_gpu_id:
+        section.server_args["base_gpu_id"] = base_gpu_id
+    return one
 
 
 class ServerPool:
     """The stream's engine (training/stream.Engine) over several servers of one engine."""
 
     def __init__(self, engine_cls, recipe, rank: int, world_size: int, num_slots: int):
-        section = getattr(recipe.target, engine_cls.engine)
-        self.rank, self.key = rank, f"target.{engine_cls.engine}.urls"
+        engine = engine_cls.engine
+        section = getattr(recipe.target, engine)
+        self.rank = rank
+        self.key = f"target.{engine}." + ("urls" if section.urls else "servers_per_node")
         self.members = []
-        for url in section.urls:
-            one = copy.deepcopy(recipe)
-            getattr(one.target, engine_cls.engine).url = url
+        for i, one in enumerate(member_recipes(recipe, engine)):
             shared = self.members[0] if self.members else None
-            self.members.append(engine_cls(one, rank, world_size, num_slots, shared=shared))
+            member = engine_cls(one, rank, world_size, num_slots, shared=shared, index=i)
+            self.members.append(member)
         self.live = list(self.members)
+        self.started = not section.urls  # the node's own servers, which come back
+        self.resting = []  # started servers lost, until they answer again
+        self._look_at = 0.0  # when readmit() next looks at them
         self.assigned: dict[int, tuple[object, int]] = {}  # seq -> (member, tokens)
         self.lost = None  # the member whose request failed last
         self.sent = [0] * len(self.members)  # requests sent to each member
@@ -61,10 +107,22 @@ class ServerPool:
     def submit(self, seq: int, batch: PaddedBatch) -> None:
         if seq in self.assigned:  # in flight on a live server: a re-send after a loss
             return
+        self.readmit()
         member = min(self.live, key=self.outstanding)  # min: the first listed on ties
         member.submit(seq, batch)
         self.assigned[seq] = (member, int(batch.lengths.sum()))
         self.sent[self.members.index(member)] += 1
+
+    def readmit(self) -> None:
+        """Started servers that answer again rejoin (at most every READMIT_S)."""
+        now = time.monotonic()
+        if not self.resting or now < self._look_at:
+            return
+        self._look_at = now + READMIT_S
+        for member in [m for m in self.resting if m.answering()]:
+            self.resting.remove(member)
+            self.live = [m for m in self.members if m in self.live or m is member]
+            _say(f"[rank {self.rank}] {member.name} answers again: back in {self.key}")
 
     def result(self, seq: int, batch: PaddedBatch, deadline: float) -> TargetFeatures:
         member = self.assigned[seq][0]
@@ -78,22 +136,37 @@ class ServerPool:
 
     def restart(self) -> None:
         """Drop the server whose request failed; its requests are sent again (module
-        docstring). TargetGone once none is left."""
+        docstring). With every server lost: TargetGone, or for started servers the wait
+        for the first lost one to answer again (TargetLost or TimeoutError when it does
+        not: the stream tries again within target.max_restarts)."""
         lost, self.lost = self.lost, None
         if lost in self.live:
             self.live.remove(lost)
             moved = [seq for seq, (m, _) in self.assigned.items() if m is lost]
             for seq in moved:
                 del self.assigned[seq]
-            print(
-                f"[rank {self.rank}] {lost.name} is lost: dropped from {self.key}; its "
-                f"{len(moved)} request(s) in flight go to the {len(self.live)} other(s)",
-                file=sys.stderr,
-                flush=True,
+            again = ""
+            if self.started:
+                lost.release()  # a hung one is killed: its keeper starts it again
+                self.resting.append(lost)
+                again = " until it answers again"
+            _say(
+                f"[rank {self.rank}] {lost.name} is lost: dropped from {self.key}{again}; its "
+                f"{len(moved)} request(s) in flight go to the {len(self.live)} other(s)"
             )
-        if not self.live:
+        if self.live:
+            return
+        if not self.resting:
             raise TargetGone(f"every server of {self.key} is lost ({lost and lost.name})")
+        back = self.resting[0]
+        back.restart()
+        self.resting.remove(back)
+        self.live = [back]
 
     def close(self) -> None:
         for member in reversed(self.members):  # the first owns the slots: closed last
             member.close()
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

@@ -5,7 +5,8 @@ A served engine is a live server the features come from through the rank's slots
 tickets (tickets.py). What every such engine does the same lives here, in
 `ServedEngine`: the rank's slots; the server the node's local rank 0 starts
 (`<output_dir>/<engine>_server_rank<r>.log`, its pid in `..._rank<r>.pid` for the node's
-other ranks), under a `server.ServerKeeper`, or an attached one (`target.<engine>.url`);
+other ranks; server i > 0 of target.<engine>.servers_per_node: `<engine>_server<i>_...`),
+under a `server.ServerKeeper`, or an attached one (`target.<engine>.url`);
 readiness (the health URL, then one probe request through the whole path); issuing a
 ticket per sequence; waiting for the reply against the caller's deadline while watching
 the server; checking the reply and the tickets; restarting a dead or hung server. An
@@ -69,10 +70,13 @@ class ServedEngine:
     no_features_hint = ""
     """What to check when the server answered but wrote nothing (after 'wrote no features')."""
 
-    def __init__(self, recipe, rank: int, num_slots: int, restarts: bool, shared=None):
-        """`shared`: another engine of this rank (pool.py) whose slots this one writes to."""
+    def __init__(
+        self, recipe, rank: int, num_slots: int, restarts: bool, shared=None, index: int = 0
+    ):
+        """`shared`: another engine of this rank (pool.py) whose slots this one writes to;
+        `index`: which of the node's started servers (target.<engine>.servers_per_node)."""
         t, section = recipe.target, getattr(recipe.target, self.engine)
-        self.recipe, self.rank, self.timeout_s = recipe, rank, t.timeout_s
+        self.recipe, self.rank, self.timeout_s, self.index = recipe, rank, t.timeout_s, index
         self.startup_timeout_s = section.startup_timeout_s
         self.dims: TargetDims = read_target_dims(t.path, recipe.draft.target_layer_ids)
         self.url = (section.url or f"http://{section.host}:{section.port}").rstrip("/")
@@ -92,11 +96,12 @@ class ServedEngine:
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         out = Path(recipe.train.output_dir)
         node = rank - local_rank
-        self.pid_file = None if section.url else out / f"{self.engine}_server_rank{node}.pid"
+        stem = f"{self.engine}_server{index or ''}"  # sglang_server, sglang_server1, ...
+        self.pid_file = None if section.url else out / f"{stem}_rank{node}.pid"
         self.restarts = restarts
         self.keeper: ServerKeeper | None = None
         if self.pid_file is not None and local_rank == 0:
-            log = out / f"{self.engine}_server_rank{rank}.log"
+            log = out / f"{stem}_rank{rank}.log"
             self.keeper = ServerKeeper(
                 lambda: self.launch(log),
                 self.pid_file,
@@ -184,15 +189,7 @@ class ServedEngine:
         flight. A server still running is hung: kill its process group (unless it was
         replaced meanwhile); the keeper of the starting rank starts it again. Then wait
         until it answers (target.<engine>.startup_timeout_s)."""
-        self._ready = False
-        pid = self._current_pid()
-        if pid is not None and pid == self._server_pid:
-            if group_running(pid):
-                say(
-                    f"[rank {self.rank}] {self.engine} server {self.url} (pid {pid}) stopped "
-                    f"answering (target.timeout_s={self.timeout_s:g}s); killing its process group"
-                )
-            kill_group(pid)
+        self.release()
         failure = self._failure
         try:
             self.wait_ready()
@@ -205,6 +202,29 @@ class ServedEngine:
                 f"and it did not answer again within {key}.startup_timeout_s="
                 f"{self.startup_timeout_s:g}s)"
             ) from None
+
+    def release(self) -> None:
+        """After a failed request: not ready until it answers again; a server still
+        running is hung: kill its process group (unless it was replaced meanwhile), so
+        that the keeper of the starting rank starts it again."""
+        self._ready = False
+        pid = self._current_pid()
+        if pid is not None and pid == self._server_pid:
+            if group_running(pid):
+                say(
+                    f"[rank {self.rank}] {self.engine} server {self.url} (pid {pid}) stopped "
+                    f"answering (target.timeout_s={self.timeout_s:g}s); killing its process group"
+                )
+            kill_group(pid)
+
+    def answering(self) -> bool:
+        """After `release()`: whether the server answers again (its pid file current, its
+        health URL 200); then it is ready, without the start-up probe (the same command
+        came back: pool.py takes it back while other requests use the slots)."""
+        if not (pid_file_current(self.pid_file) and self.healthy()):
+            return False
+        self._ready, self._server_pid = True, self._current_pid()
+        return True
 
     # ------------------------------------------------------------------ requests
 

@@ -20,6 +20,7 @@ an attached one (`target.sglang.url`) is waited for, not restarted.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -115,6 +116,7 @@ def server_env(
     base: dict[str, str] | None = None,
     interpret_triton: bool = False,
     ranks: int = 1,
+    cores: list[int] | None = None,
 ) -> dict[str, str]:
     """The environment of a server we start (server.launch_env): our plugin allowed, and
     for the CPU engine `SGLANG_USE_CPU_ENGINE=1` with the import shims first on PYTHONPATH
@@ -129,9 +131,20 @@ def server_env(
         prepend_path(env, CPU_SHIMS)
         if interpret_triton:  # Triton kernels (Inkling's) run in Triton's interpreter
             env["TRITON_INTERPRET"] = "1"
-        if THREADS_BIND not in env and (ranks > 1 or "OMP_NUM_THREADS" in env):
-            env[THREADS_BIND] = cpu_thread_binding(ranks, THREADS_BIND, env)
+        if THREADS_BIND not in env and (ranks > 1 or cores or "OMP_NUM_THREADS" in env):
+            env[THREADS_BIND] = cpu_thread_binding(ranks, THREADS_BIND, env, cores)
     return env
+
+
+def node_share(index: int, count: int) -> list[int]:
+    """Server `index` of the `count` a node starts on the CPU engine: its contiguous share
+    of this process's cores (shares overlap only where there are fewer cores than servers)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if count > len(cores):
+        return [cores[index % len(cores)]]
+    size, extra = divmod(len(cores), count)
+    start = index * size + min(index, extra)
+    return cores[start : start + size + (index < extra)]
 
 
 THREADS_BIND = "SGLANG_CPU_OMP_THREADS_BIND"
@@ -169,13 +182,18 @@ class ServerProcess(EngineServer):
         log_path: Path,
         cpu_engine: bool = False,
         key: str = "target.sglang.python",
+        cores: list[int] | None = None,
     ):
         """`python`: the interpreter of SGLang's own environment (checked: sglang imports
-        there and our plugin is registered there); `key` names where it came from."""
+        there and our plugin is registered there); `key` names where it came from;
+        `cores`: the CPU engine's share of this host's cores (default: all of them)."""
         exe = engine_python(python, key, "sglang", "sglang.srt.plugins")
         triton = "--attention-backend triton" in " ".join(args)
         env = server_env(
-            cpu_engine, interpret_triton=cpu_engine and triton, ranks=server_ranks(args)
+            cpu_engine,
+            interpret_triton=cpu_engine and triton,
+            ranks=server_ranks(args),
+            cores=cores,
         )
         host = args[args.index("--host") + 1] if "--host" in args else ""
         if host not in ("", "0.0.0.0", "::"):  # Mooncake writers go out from the server's address
@@ -193,15 +211,19 @@ class SGLangEngine(ServedEngine):
         f"sglang.srt.plugins:{PLUGIN_NAME}) and not excluded by SGLANG_PLUGINS?"
     )
 
-    def __init__(self, recipe, rank: int, world_size: int, num_slots: int, shared=None):
+    def __init__(
+        self, recipe, rank: int, world_size: int, num_slots: int, shared=None, index: int = 0
+    ):
         self._args: list[str] | None = None
-        super().__init__(recipe, rank, num_slots, restarts=True, shared=shared)
+        super().__init__(recipe, rank, num_slots, restarts=True, shared=shared, index=index)
 
     def launch(self, log_path: Path) -> ServerProcess:
         if self._args is None:  # once, by the starting rank only (it may convert Inkling)
             self._args = launch_args(self.recipe)
-        t = self.recipe.target
-        return ServerProcess(t.sglang.python, self._args, log_path, is_cpu_engine(self.recipe))
+        s, cpu = self.recipe.target.sglang, is_cpu_engine(self.recipe)
+        several = cpu and s.servers_per_node > 1
+        cores = node_share(self.index, s.servers_per_node) if several else None
+        return ServerProcess(s.python, self._args, log_path, cpu, cores=cores)
 
     def post(self, seq: int, slot: ShmSlot, batch: PaddedBatch) -> Future:
         rids, ids = [], []

@@ -77,7 +77,8 @@ def make_engine(recipe, rank: int, world_size: int, num_slots: int) -> Engine:
         return HFEngine(recipe, dims, rank, world_size, num_slots)
     if backend in SERVED_ENGINES:
         engine_cls = pkgutil.resolve_name(SERVED_ENGINES[backend])
-        if getattr(getattr(recipe.target, backend), "urls", None):  # a pool of servers
+        section = getattr(recipe.target, backend)
+        if getattr(section, "urls", None) or getattr(section, "servers_per_node", 1) > 1:
             from specforge_dspark.engines.pool import ServerPool
 
             return ServerPool(engine_cls, recipe, rank, world_size, num_slots)
