@@ -15,7 +15,7 @@ import torch
 from specforge_dspark.config.recipe import RecipeError, recipe_from_dict
 from specforge_dspark.engines import pool as pool_module
 from specforge_dspark.engines.features import PaddedBatch, TargetGone, TargetLost
-from specforge_dspark.engines.pool import PORT_STRIDE, ServerPool
+from specforge_dspark.engines.pool import PORT_STRIDE, ServerPool, started_servers
 from specforge_dspark.engines.sglang import node_share
 
 URLS = ["http://10.0.0.1:30000", "http://10.0.0.2:30000", "http://10.0.0.3:30000"]
@@ -166,6 +166,11 @@ def test_servers_per_node_is_for_started_servers(monkeypatch):
         _recipe(servers_per_node=2, urls=URLS)
     with pytest.raises(RecipeError, match="servers_per_node must be >= 1"):
         _recipe(servers_per_node=0)
+    r = _recipe("cuda", servers_per_node=2, port=30000, server_args={"tp_size": 4})
+    assert started_servers(r) == (  # the dry run's line
+        "servers each node starts (target.sglang.servers_per_node=2): port 30000 on GPUs 0-3; "
+        "port 30016 on GPUs 4-7"
+    )
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
     assert [node_share(i, 2) for i in range(2)] == [[0, 1, 2], [3, 4]]
     assert [node_share(i, 7) for i in (0, 6)] == [[0], [1]]  # fewer cores than servers

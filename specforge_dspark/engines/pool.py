@@ -44,16 +44,36 @@ def member_recipes(recipe, engine: str) -> list:
     section = getattr(recipe.target, engine)
     if section.urls:
         return [_with(recipe, engine, url=url) for url in section.urls]
-    args = section.server_args
-    gpus = 1
-    for key in ("tp_size", "dp_size", "pp_size"):
-        gpus *= int(args.get(key, 1))
-    base = int(args.get("base_gpu_id", 0))
+    gpus, base = gpus_per_server(section), int(section.server_args.get("base_gpu_id", 0))
     gpus = 0 if recipe.target.device == "cpu" else gpus  # SGLang's CPU engine: see CPU_BIND
     return [
         _with(recipe, engine, port=section.port + i * PORT_STRIDE, base_gpu_id=base + i * gpus)
         for i in range(section.servers_per_node)
     ]
+
+
+def gpus_per_server(section) -> int:
+    """tp x dp x pp of a server section's server_args (each 1 unless given)."""
+    gpus = 1
+    for key in ("tp_size", "dp_size", "pp_size"):
+        gpus *= int(section.server_args.get(key, 1))
+    return gpus
+
+
+def started_servers(recipe, engine: str = "sglang") -> str:
+    """The dry run's line for the servers a node starts (target.<engine>.servers_per_node)."""
+    members = member_recipes(recipe, engine)
+    gpus, where = gpus_per_server(getattr(recipe.target, engine)), []
+    for one in members:
+        s = getattr(one.target, engine)
+        first = int(s.server_args.get("base_gpu_id", 0))
+        cpu = recipe.target.device == "cpu"
+        place = "a share of the cores" if cpu else f"GPUs {first}-{first + gpus - 1}"
+        where.append(f"port {s.port} on {place}")
+    return (
+        f"servers each node starts (target.{engine}.servers_per_node={len(members)}): "
+        + "; ".join(where)
+    )
 
 
 def _with(recipe, engine: str, base_gpu_id: int | None = None, **fields):

@@ -232,6 +232,10 @@ def dry_run_summary(recipe: Recipe, world: int = 1) -> list[str]:
     (network, objective, memory), estimates = drafter_summary(recipe, world)
     lines = [f"recipe: {recipe.source}", *network, *objective]
     lines.append(f"target backend: {recipe.target.backend} ({recipe.target.path})")
+    if recipe.target.backend == "sglang" and recipe.target.sglang.servers_per_node > 1:
+        from specforge_dspark.engines.pool import started_servers
+
+        lines.append(started_servers(recipe))
     if recipe.target.backend != "offline":
         lines.append(slot_summary(recipe))
     lines += memory
