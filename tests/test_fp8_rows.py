@@ -66,3 +66,16 @@ def test_fp8_is_refused_where_no_writer_quantizes():
         recipe_from_dict({**base, "target": {"backend": "hf", "transport_dtype": "fp8_e4m3"}})
     r = recipe_from_dict({**base, "target": {"backend": "sglang", "transport_dtype": "fp8_e4m3"}})
     assert r.target.transport_dtype == "fp8_e4m3"
+
+
+def test_the_dry_run_sizes_slots_in_the_wire_dtype():
+    from specforge_dspark.training.memory import slot_summary
+
+    def recipe(transport_dtype: str):
+        target = {"backend": "sglang", "dtype": "bfloat16", "transport_dtype": transport_dtype}
+        return recipe_from_dict({"target": target})
+
+    bf16, fp8 = slot_summary(recipe("auto")), slot_summary(recipe("fp8_e4m3"))
+    assert "MiB of bfloat16 rows" in bf16 and "MiB of float8_e4m3fn rows" in fp8
+    mib = [float(s.split(" x ")[1].split(" MiB")[0]) for s in (bf16, fp8)]
+    assert 0.49 < mib[1] / mib[0] < 0.52, (bf16, fp8)

@@ -52,8 +52,13 @@ from specforge_dspark.engines.server import (
     read_pid,
     say,
 )
-from specforge_dspark.engines.shm import DTYPE_CODES, FP8, ShmSlot, SlotViews
-from specforge_dspark.engines.slot_budget import job_id, make_slots, sweep_stale_slots
+from specforge_dspark.engines.shm import DTYPE_CODES, ShmSlot, SlotViews
+from specforge_dspark.engines.slot_budget import (
+    job_id,
+    make_slots,
+    sweep_stale_slots,
+    wire_dtype,
+)
 from specforge_dspark.engines.tickets import DONE, FAILED, PENDING, Ticket, new_nonce
 
 POLL_S = 0.2  # how often a wait looks at the server and the tickets
@@ -85,9 +90,15 @@ class ServedEngine:
         if shared is None:
             sweep_stale_slots(job_id(recipe))
             dims, exposer = self.dims, Exposer.for_recipe(recipe, self.url)
-            wire = FP8 if t.transport_dtype == "fp8_e4m3" else self.dtype
             self.slots = make_slots(
-                rank, num_slots, dims.aux_width, dims.hidden_size, wire, recipe, None, exposer
+                rank,
+                num_slots,
+                dims.aux_width,
+                dims.hidden_size,
+                wire_dtype(recipe),
+                recipe,
+                None,
+                exposer,
             )
             self.slot_busy: list[Future | None] = [None] * num_slots
         else:

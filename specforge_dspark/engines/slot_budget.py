@@ -31,7 +31,14 @@ from pathlib import Path
 
 import torch
 
-from specforge_dspark.engines.shm import FILE_PREFIX, SHM_DIR, ShmSlot, SlotBudget, SlotLayout
+from specforge_dspark.engines.shm import (
+    FILE_PREFIX,
+    FP8,
+    SHM_DIR,
+    ShmSlot,
+    SlotBudget,
+    SlotLayout,
+)
 
 SHM_HINT = (
     "raise it (docker run --shm-size=<N>g, Kubernetes: an emptyDir with medium: Memory "
@@ -48,6 +55,14 @@ def request_budget(recipe) -> SlotBudget:
     if recipe.data.pack:
         return SlotBudget(tokens, tokens, f"{keys}, data.pack")
     return SlotBudget(tokens, max(rows, recipe.train.preflight_samples), keys)
+
+
+def wire_dtype(recipe) -> torch.dtype:
+    """The dtype of the rows in a slot: target.transport_dtype (fp8_e4m3: per-row scales
+    beside them), else target.dtype."""
+    from specforge_dspark.engines.features import DTYPES
+
+    return FP8 if recipe.target.transport_dtype == "fp8_e4m3" else DTYPES[recipe.target.dtype]
 
 
 def slot_bytes(recipe, aux_width: int, hidden: int, dtype: torch.dtype) -> int:
