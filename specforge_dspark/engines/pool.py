@@ -53,21 +53,21 @@ def member_recipes(recipe, engine: str) -> list:
 
 
 def gpus_per_server(section) -> int:
-    """tp x dp x pp of a server section's server_args (each 1 unless given)."""
-    gpus = 1
-    for key in ("tp_size", "dp_size", "pp_size"):
-        gpus *= int(section.server_args.get(key, 1))
-    return gpus
+    """tp x dp x pp of a server section's server_args (sglang.server_ranks of its flags)."""
+    from specforge_dspark.engines.server import cli_flag
+    from specforge_dspark.engines.sglang import server_ranks
+
+    return server_ranks([f for k, v in section.server_args.items() for f in cli_flag(k, v)])
 
 
 def started_servers(recipe, engine: str = "sglang") -> str:
     """The dry run's line for the servers a node starts (target.<engine>.servers_per_node)."""
     members = member_recipes(recipe, engine)
     gpus, where = gpus_per_server(getattr(recipe.target, engine)), []
+    cpu = recipe.target.device == "cpu"
     for one in members:
         s = getattr(one.target, engine)
         first = int(s.server_args.get("base_gpu_id", 0))
-        cpu = recipe.target.device == "cpu"
         place = "a share of the cores" if cpu else f"GPUs {first}-{first + gpus - 1}"
         where.append(f"port {s.port} on {place}")
     return (
