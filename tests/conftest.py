@@ -18,6 +18,11 @@ os.environ.setdefault("HF_HOME", str(REPO / ".cache" / "hf"))
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
 os.environ.setdefault("VLLM_CACHE_ROOT", str(REPO / ".cache" / "vllm"))
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("TRITON_CACHE_DIR", str(REPO / ".cache" / "triton"))
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# Tests read the logs of the processes they start while those run (a step logged, a
+# server's line): unbuffered, as under `make test`, also for a test run on its own.
+os.environ.setdefault("PYTHONUNBUFFERED", "1")
 # The venvs install without bytecode (pip --no-compile); a sandbox that forbids writing it
 # makes every launched process compile torch and the engines from source again.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)

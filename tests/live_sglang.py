@@ -4,6 +4,8 @@ environment under test are the ones training uses."""
 
 from __future__ import annotations
 
+import os
+import random
 import socket
 import time
 import urllib.request
@@ -14,12 +16,31 @@ from specforge_dspark.engines.sglang import ServerProcess, launch_args
 
 LAYERS = [0, 1, 2]
 START_TIMEOUT_S = 300.0
+_PORT_DRAWS = random.Random()  # its own generator: a test that seeds `random` changes nothing
+_HANDED_OUT: set[int] = set()
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now that nothing but an explicit bind can take before its server binds
+    it: drawn below the kernel's ephemeral range. A port from bind(0) is an ephemeral one,
+    which every listener bound to port 0 (gloo's pairs at TP 2, Mooncake's handshake) may
+    take in the tens of seconds a CPU SGLang server loads before uvicorn binds its port;
+    uvicorn then exits with status 3 (its start-up failure). Each pytest-xdist worker draws
+    from its own half of 10000-21999 (SGLang draws its nccl_port from 22000-29999; our
+    in-process rendezvous ports are 29511 + 100 x worker)."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    low = 10000 + 6000 * (worker % 2)
+    for port in _PORT_DRAWS.sample(range(low, low + 6000), 200):
+        if port in _HANDED_OUT:  # its server may still be loading, not yet bound
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port in {low}-{low + 5999}")
 
 
 def tiny_sglang_recipe(
@@ -103,3 +124,22 @@ class LiveServer:
 
     def __exit__(self, *exc) -> None:
         self.proc.stop()
+
+
+def assert_failed_on_the_death(log_text: str, server: str, took: float, recipe: str) -> str:
+    """A job whose server was killed must fail because it saw the death, not because a
+    request ran out of time: the line naming `server` says it died or failed, not that it
+    did not answer within target.timeout_s, and the job ended before that deadline (read
+    from `recipe`, the run's own; no fixed number of seconds, which load can break).
+    Returns the line."""
+    from specforge_dspark.config.recipe import load_recipe
+
+    deadline = load_recipe(recipe).target.timeout_s
+    named = [line for line in log_text.splitlines() if server in line]
+    assert named, log_text[-3000:]
+    assert not any("within target.timeout_s" in line for line in named), named
+    assert took < deadline, (
+        f"the job took {took:.1f}s to fail after the server died: as long as the request "
+        f"deadline (target.timeout_s={deadline:g}s in {recipe}), so it did not see the death"
+    )
+    return named[0]

@@ -32,7 +32,12 @@ from specforge_dspark.engines.pool import PORT_STRIDE
 from specforge_dspark.engines.server import port_taken
 from specforge_dspark.training.stream import FeatureStream
 from tests.inject import drills
-from tests.live_sglang import LiveServer, free_port, tiny_sglang_recipe
+from tests.live_sglang import (
+    LiveServer,
+    assert_failed_on_the_death,
+    free_port,
+    tiny_sglang_recipe,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 30
@@ -284,13 +289,13 @@ def test_killed_server_fails_fast_and_the_run_resumes_exactly(runs, sglang_serve
     )
     os.killpg(server_pid, signal.SIGKILL)  # the server and its scheduler, detokenizer
     killed_at = time.monotonic()
-    job.wait(timeout=120)
+    job.wait(timeout=600)
     took = time.monotonic() - killed_at
     text = (out / "job.log").read_text()
     assert job.returncode != 0
-    assert f"sglang server http://127.0.0.1:{port}" in text, text[-3000:]
-    assert took <= 30, f"the job took {took:.1f}s to fail after the server died"
-    print(f"killed server: job failed {took:.1f}s later")
+    server = f"sglang server http://127.0.0.1:{port}"
+    named = assert_failed_on_the_death(text, server, took, "recipes/tiny_cpu_sglang.yaml")
+    print(f"killed server: job failed {took:.1f}s later: {named.strip()[:300]}")
 
     resumed = _train(out, "sglang", "--resume", "auto", f"target.sglang.url={sglang_server.url}")
     assert resumed.returncode == 0, (out / "job.log").read_text()[-3000:]

@@ -22,7 +22,7 @@ import torch
 
 from specforge_dspark.engines.features import Sample
 from specforge_dspark.training.stream import FeatureStream
-from tests.live_sglang import free_port, tiny_sglang_recipe
+from tests.live_sglang import assert_failed_on_the_death, free_port, tiny_sglang_recipe
 from tests.live_vllm import tiny_vllm_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -140,15 +140,12 @@ def test_killed_vllm_server_fails_fast_and_the_run_resumes_exactly(runs, vllm_se
     )
     os.killpg(server_pid, signal.SIGKILL)  # API server, engine core, worker
     killed_at = time.monotonic()
-    job.wait(timeout=120)
+    job.wait(timeout=600)
     took = time.monotonic() - killed_at
     text = (out / "job.log").read_text()
     assert job.returncode != 0
-    assert f"vllm server http://127.0.0.1:{port}" in text, text[-3000:]
-    assert took <= 30, f"the job took {took:.1f}s to fail after the server died"
-    named = next(
-        line for line in text.splitlines() if f"vllm server http://127.0.0.1:{port}" in line
-    )
+    server = f"vllm server http://127.0.0.1:{port}"
+    named = assert_failed_on_the_death(text, server, took, "recipes/tiny_cpu_sglang.yaml")
     print(f"killed vLLM server: job failed {took:.1f}s later: {named.strip()[:300]}")
 
     resumed = train(out, "vllm", "--resume", "auto", f"target.vllm.url={vllm_server.url}")
