@@ -129,6 +129,15 @@ def test_a_gpu_servers_environment_has_no_cpu_bridge(monkeypatch, tmp_path):
     base = {"PATH": "/usr/bin", "PYTHONPATH": "/elsewhere", "RANK": "3"}
     _no_cpu_bridge(sglang.server_env(cpu_engine=False, base=base, interpret_triton=True))
     _no_cpu_bridge(vllm.server_env(cpu=False, triton_interpreter=True, base=base))
+    inherited = {  # a trainer started from a shell (or a job) that set up a CPU server
+        **base,
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([str(sglang.CPU_SHIMS), "/elsewhere", str(vllm.CPU_SHIMS)]),
+    }
+    for gpu in (sglang.server_env(False, base=inherited), vllm.server_env(False, base=inherited)):
+        _no_cpu_bridge(gpu)
+        assert gpu["PYTHONPATH"] == "/elsewhere"  # the user's own paths stay
     cpu = sglang.server_env(cpu_engine=True, base=base)  # the contrast: a CPU-engine server
     assert cpu["PYTHONPATH"].split(os.pathsep)[0].startswith(CPU_PATH)
     for shims in (sglang.CPU_SHIMS, vllm.CPU_SHIMS):  # the paths the CPU servers get exist

@@ -48,6 +48,9 @@ from specforge_dspark.engines.reaper import group_running, kill_group
 POLL_S = 0.5
 CLOCK_SLACK_S = 2.0
 REAPER = str(Path(__file__).resolve().with_name("reaper.py"))
+CPU_SHIMS_ROOT = Path(__file__).resolve().parent / "cpu" / "shims"
+CPU_ENGINE_VARS = {"SGLANG_USE_CPU_ENGINE", "TRITON_INTERPRET"}
+"""Set only for the CPU-engine servers we start (engines/cpu/README.md), never inherited."""
 LAUNCHER_VARS = {
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
     "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
@@ -88,13 +91,28 @@ def engine_python(python: str, key: str, module: str, group: str | None = None) 
 
 
 def launch_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """`base` (default: this process's environment) without torchrun's variables: its
-    rendezvous would make the engine's own distributed init wait for peers."""
+    """`base` (default: this process's environment) without torchrun's variables (their
+    rendezvous would make the engine's own distributed init wait for peers) and without
+    the CPU engine's settings (CPU_ENGINE_VARS, the shims of cpu/shims/ on PYTHONPATH): a
+    trainer started from a shell or a job that ran a CPU server must not turn a GPU server
+    into one. The engines' `server_env` adds them back for the CPU servers we start."""
     env = dict(os.environ if base is None else base)
     for key in list(env):
-        if key in LAUNCHER_VARS or key.startswith("TORCHELASTIC_"):
+        if key in LAUNCHER_VARS or key in CPU_ENGINE_VARS or key.startswith("TORCHELASTIC_"):
             del env[key]
+    kept = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and not _is_shim(p)]
+    if kept:
+        env["PYTHONPATH"] = os.pathsep.join(kept)
+    else:
+        env.pop("PYTHONPATH", None)
     return env
+
+
+def _is_shim(path: str) -> bool:
+    try:
+        return Path(path).resolve().is_relative_to(CPU_SHIMS_ROOT)
+    except (OSError, ValueError):
+        return False
 
 
 def cpu_thread_binding(
