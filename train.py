@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load_recipe(args.recipe, args.overrides)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
+        if not args.dry_run:  # the last run's status must not stand for this one
+            from specforge_dspark.training.run_status import refuse_unloaded
+
+            refuse_unloaded(args.recipe, args.overrides, f"RecipeError: {e}")
         return 2
     if args.dry_run:
         return dry_run(recipe, args.world_size)
@@ -71,12 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         if run is not None:  # raised by the loop: a failure, not a refusal
             return _failed(status, where, e, resumable=False)
         print(f"{where}error: {e}", file=sys.stderr)  # refused before the run started
-        status.end("refused", f"{type(e).__name__}: {e}")
+        status.refuse(f"{type(e).__name__}: {e}")
         return 2
     except (CheckpointWriteError, NonFiniteError, TargetLost, TimeoutError) as e:
         return _failed(status, where, e)  # a fault during the run, said plainly
-    except KeyboardInterrupt:  # a second signal: out now, from the last checkpoint
-        status.end("stopped", "interrupted twice: resumes from the last complete checkpoint")
+    except KeyboardInterrupt as e:  # a second signal: out now, from the last checkpoint
+        status.end("stopped", _aborted(recipe, run, e))
         raise
     except BaseException as e:  # anything else: recorded, never called resumable
         status.end("failed", f"{type(e).__name__}: {e}", error=type(e).__name__)
@@ -90,6 +94,22 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_STOPPED
     status.end("finished", f"{run.total_steps} steps")
     return 0
+
+
+def _aborted(recipe: Recipe, run: Run | None, e: KeyboardInterrupt) -> str:
+    """What a second signal (or Ctrl-C before the run's handlers) cut short, for the status."""
+    from specforge_dspark.training.drafters import checkpoint_roots, resolve_resume
+
+    what = str(e) or "interrupted"
+    where = f"at step {run.state.step}" if run is not None else "while starting"
+    try:
+        last = resolve_resume("auto", checkpoint_roots(recipe))
+    except Exception as err:  # the status must be written whatever the checkpoints hold
+        last = f"unknown ({type(err).__name__})"
+    return (
+        f"{what}: aborted {where} without a save; --resume auto resumes from "
+        f"{last or 'the start (no complete checkpoint)'}"
+    )
 
 
 def _failed(status, where: str, e: BaseException, resumable: bool = True) -> int:

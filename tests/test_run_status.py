@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
+from specforge_dspark.training import run_status
 from specforge_dspark.training.run_status import (
     EXIT_CODES,
     RunStatus,
@@ -46,6 +48,7 @@ def test_each_end_state_its_exit_code_and_whether_to_resume(tmp_path):
         ("stopped", "", True),
         ("failed", "TargetLost", True),
         ("failed", "TimeoutError", True),
+        ("failed", "TargetGone", True),
         ("failed", "NonFiniteError", False),
         ("failed", "CheckpointWriteError", False),
         ("failed", "RuntimeError", False),
@@ -89,3 +92,83 @@ def test_an_unwritable_status_warns_and_does_not_raise(tmp_path, capsys):
     blocked.write_text("not a directory")
     RunStatus(blocked, 0).start()
     assert "could not write" in capsys.readouterr().err
+
+
+def test_a_thread_beats_from_the_start_until_the_end(tmp_path, monkeypatch):
+    """A job alive in a long server start logs no step: the thread beats it anyway."""
+    monkeypatch.setattr(run_status, "BEAT_S", 0.02)
+    w = RunStatus(tmp_path, 0)
+    w.start()
+    first = _status(tmp_path)["heartbeat"]
+    beats = _wait_for(lambda: _status(tmp_path)["heartbeat"] > first)
+    assert _status(tmp_path)["detail"] == "starting", "the thread beats; only the loop says steps"
+    w.end("finished", "10 steps")
+    ended = _status(tmp_path)
+    time.sleep(0.1)  # five beats' worth: none lands after the end
+    assert _status(tmp_path) == ended and ended["status"] == "finished", beats
+
+
+def test_a_refusal_replaces_the_last_runs_outcome_but_not_a_live_jobs(tmp_path):
+    last = RunStatus(tmp_path, 0)
+    last.start()
+    last.end("failed", "TargetLost: gone", error="TargetLost")  # a scheduler would retry
+    RunStatus(tmp_path, 0).refuse("ValueError: no data at data.train_files")
+    s = _status(tmp_path)
+    assert (s["status"], s["exit_code"], s["resumable"], s["resume"]) == ("refused", 2, False, "")
+    assert s["detail"].startswith("ValueError") and s["ranks"] == {}
+
+    live = tmp_path / "live"
+    RunStatus(live, 0).start()
+    RunStatus(live, 0).refuse("RecipeError: a second job's bad recipe")
+    assert _status(live)["status"] == "running"
+
+
+def test_a_recipe_that_does_not_load_leaves_a_fresh_refusal(tmp_path, monkeypatch, capsys):
+    import train
+
+    out = tmp_path / "run"
+    last = RunStatus(out, 0)
+    last.start()
+    last.end("failed", "TimeoutError: slow", error="TimeoutError")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"train:\n  output_dir: {out}\n  max_stepz: 3\n")
+    monkeypatch.delenv("RANK", raising=False)
+    assert train.main(["--recipe", str(recipe)]) == 2
+    s = _status(out)
+    assert s["status"] == "refused" and "max_stepz" in s["detail"], s
+    assert "max_stepz" in capsys.readouterr().err
+    other = tmp_path / "elsewhere"  # an override names the folder; the YAML cannot load
+    RunStatus(other, 0).start()
+    RunStatus(other, 0).end("stopped", "SIGTERM")
+    recipe.write_text("train: [unclosed\n")
+    assert train.main(["--recipe", str(recipe), f"train.output_dir={other}"]) == 2
+    assert _status(other)["status"] == "refused"
+
+
+def test_a_second_signal_records_where_the_run_was_cut_and_what_resumes(tmp_path):
+    from types import SimpleNamespace
+
+    import train
+    from specforge_dspark.config.recipe import recipe_from_dict
+
+    recipe = recipe_from_dict({"train": {"output_dir": str(tmp_path)}})
+    run = SimpleNamespace(state=SimpleNamespace(step=57))
+    twice = KeyboardInterrupt("SIGTERM received twice")
+    said = train._aborted(recipe, run, twice)
+    assert said.startswith("SIGTERM received twice: aborted at step 57 without a save")
+    assert "from the start (no complete checkpoint)" in said
+    (tmp_path / "ckpt" / "step-40").mkdir(parents=True)
+    (tmp_path / "ckpt" / "step-40" / "COMPLETE").write_text("")
+    (tmp_path / "ckpt" / "step-50").mkdir()  # being written when the second signal came
+    said = train._aborted(recipe, None, KeyboardInterrupt())  # Ctrl-C during the start
+    assert said.startswith("interrupted: aborted while starting") and "step-40" in said
+
+
+def _wait_for(cond, hang_s: float = 60.0) -> int:
+    """Polls until `cond` holds; fails only on a hang. Returns the polls it took."""
+    polls, deadline = 0, time.monotonic() + hang_s
+    while not cond():
+        assert time.monotonic() < deadline, "never happened"
+        polls += 1
+        time.sleep(0.01)
+    return polls

@@ -4,9 +4,14 @@ torchrun's own exit status cannot tell a stop from a failure (docs/faults.md), s
 says it in a file. It is written:
 - at start, by global rank 0 once it holds the run lock (`running`, pid, host, start
   time): the previous run's outcome never survives into a new run;
-- every log interval by rank 0 (`heartbeat`): a run killed by SIGKILL or the OOM killer
-  cannot write its end, so it is recognised by a heartbeat older than `stale_after_s`
-  (`effective_status`);
+- every BEAT_S by a thread of rank 0 that runs from that start to the run's end (a job
+  alive in a half-hour server start or a long save is beaten too), and every log
+  interval by the loop (`heartbeat`, with the step): a run killed by SIGKILL or the OOM
+  killer cannot write its end, so it is recognised by a heartbeat older than
+  `stale_after_s` (`effective_status`);
+- by a refusal before the run started (a recipe that does not load, a checkpoint that
+  cannot resume): a fresh `refused` status, never merged into the last run's outcome,
+  unless a live job's `running` status is there (that job's file is left alone);
 - on every exit path of every rank (`ranks.<r>`): the job's `status`, `exit_code`,
   `detail` and `resumable` are those of the first failure any rank recorded (a rank
   that fails later in a collective its peer left is a consequence, not the cause).
@@ -34,14 +39,18 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 RUN_STATUS = "run_status.json"
 EXIT_CODES = {"finished": 0, "failed": 1, "refused": 2, "stopped": 143}
-RESUMABLE_ERRORS = ("TargetLost", "TimeoutError")
-"""Failures a resume gets past: the server or worker is started again by the next run."""
+RESUMABLE_ERRORS = ("TargetLost", "TargetGone", "TimeoutError")
+"""Failures a resume gets past: the server or worker is started again by the next run, or
+the attached servers that did not answer in time may answer the next one."""
+BEAT_S = 30.0
+"""How often rank 0's thread beats the heartbeat while the job runs."""
 STALE_AFTER_S = 900.0
 """A `running` status whose heartbeat is older than this (or than 10 log intervals, when
 that is longer) belongs to a job that died without writing its end."""
@@ -57,9 +66,13 @@ class RunStatus:
     def __init__(self, output_dir: str | Path, rank: int):
         self.path = Path(output_dir) / RUN_STATUS
         self.rank = rank
+        self.started = False
+        self._ended = threading.Event()
 
     def start(self) -> None:
-        """Rank 0, holding the run lock: a fresh `running` status (nothing of the last run)."""
+        """Rank 0, holding the run lock: a fresh `running` status (nothing of the last run),
+        then beaten by a thread until `end`."""
+        self.started = True
         if self.rank != 0:
             return
         now = time.time()
@@ -78,6 +91,16 @@ class RunStatus:
             "ranks": {},
         }
         self._update(lambda _: body, fresh=True)
+        threading.Thread(target=self._keep_beating, name="run-status", daemon=True).start()
+
+    def _keep_beating(self) -> None:
+        def beat(body: dict[str, Any]) -> dict[str, Any]:
+            if body.get("status") == "running" and body.get("pid") == os.getpid():
+                body["heartbeat"], body["heartbeat_time"] = time.time(), _now()
+            return body
+
+        while not self._ended.wait(BEAT_S):
+            self._update(beat)
 
     def heartbeat(self, step: int, total_steps: int, interval_s: float) -> None:
         """Rank 0, each log interval: the job is alive at `step`."""
@@ -93,8 +116,28 @@ class RunStatus:
 
         self._update(beat)
 
+    def refuse(self, detail: str) -> None:
+        """Before this job started (no `start`): a fresh `refused` status in place of the
+        last run's outcome, unless a live job's `running` status is there."""
+        if self.started or self.rank != 0:
+            self.end("refused", detail)
+            return
+        fresh = {"status": "refused", "exit_code": EXIT_CODES["refused"], "detail": detail,
+                 "resumable": False, "resume": "", "pid": os.getpid(),
+                 "host": socket.gethostname(), "ended": _now(), "ranks": {}}  # fmt: skip
+
+        def replace(body: dict[str, Any]) -> dict[str, Any]:
+            if effective_status(body) == "running":
+                print(f"warning: {self.path} belongs to a live job; left as it is",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                return body
+            return fresh
+
+        self._update(replace)
+
     def end(self, status: str, detail: str, error: str = "") -> None:
         """Any rank, on its way out: record its outcome and the job's."""
+        self._ended.set()
         code = EXIT_CODES[status]
         resumable = status == "stopped" or (status == "failed" and error in RESUMABLE_ERRORS)
         mine = {
@@ -156,3 +199,27 @@ def effective_status(body: dict[str, Any], now: float | None = None) -> str:
         return status
     age = (time.time() if now is None else now) - float(body.get("heartbeat", 0))
     return "killed" if age > float(body.get("stale_after_s", STALE_AFTER_S)) else "running"
+
+
+def refuse_unloaded(recipe_path: str | Path, overrides: list[str], detail: str) -> None:
+    """A recipe that does not load (config.RecipeError): global rank 0 writes a fresh
+    `refused` status into the train.output_dir its YAML or overrides name, where that
+    folder exists (a scheduler must not read the last run's `failed, resumable` there and
+    retry). Nothing is written when neither names one: the default folder may be another
+    run's."""
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    out = None
+    try:
+        import yaml
+
+        raw = yaml.safe_load(Path(recipe_path).read_text())
+        out = raw["train"]["output_dir"]
+    except Exception:  # the recipe is broken: only the overrides may still say
+        pass
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.strip() == "train.output_dir":
+            out = value.strip()
+    if isinstance(out, str) and out and Path(out).is_dir():
+        RunStatus(out, 0).refuse(detail)
