@@ -16,7 +16,7 @@ from specforge_dspark.config.recipe import RecipeError, recipe_from_dict
 from specforge_dspark.engines import pool as pool_module
 from specforge_dspark.engines.features import PaddedBatch, TargetGone, TargetLost
 from specforge_dspark.engines.pool import PORT_STRIDE, ServerPool, started_servers
-from specforge_dspark.engines.sglang import node_share
+from specforge_dspark.engines.sglang import SGLangEngine, node_share
 
 URLS = ["http://10.0.0.1:30000", "http://10.0.0.2:30000", "http://10.0.0.3:30000"]
 
@@ -25,6 +25,8 @@ class FakeServer:
     """A member: records what it was sent; `dead` makes its results fail."""
 
     engine = "sglang"
+    identity_path = ""  # no model check unless a test sets one
+    identity = staticmethod(SGLangEngine.identity)
 
     def __init__(self, recipe, rank, world_size, num_slots, shared=None, index=0):
         s = recipe.target.sglang
@@ -32,7 +34,8 @@ class FakeServer:
         self.name, self.index, self.args = f"sglang server {self.url}", index, s.server_args
         self.shared, self.sent, self.dead, self.closed = shared, [], False, False
         self.released = self.restarted = 0
-        self.up = True  # what answering() finds after a release
+        self.up = True  # what answering() (and restart()) find after a release
+        self.futures = {}
 
     def release(self):
         self.released += 1
@@ -40,7 +43,9 @@ class FakeServer:
     def answering(self):
         return self.up
 
-    def restart(self):
+    def restart(self):  # an attached one that stays down: TargetGone, as served.py says
+        if not self.up:
+            raise TargetGone(f"{self.name} did not answer again")
         self.restarted += 1
         self.dead = False
 
@@ -49,6 +54,7 @@ class FakeServer:
 
     def submit(self, seq, batch):
         self.sent.append(seq)
+        self.futures[seq] = batch
 
     def result(self, seq, batch, deadline):
         if self.dead:
@@ -86,10 +92,11 @@ def test_requests_go_to_the_fewest_outstanding_tokens_and_a_lost_servers_move():
     pool.submit(4, _batch(20))  # a now holds nothing
     assert a.sent == [0, 4]
 
-    b.dead = True
+    b.dead, b.up = True, False  # and it stays down
     with pytest.raises(TargetLost):
         pool.result(1, _batch(10), 0.0)
     pool.restart()  # the stream then re-sends every pending request, in order
+    assert b.futures == {} and pool.resting == [b]  # its 1 and 3 are awaited elsewhere now
     for seq in (1, 2, 3, 4):
         pool.submit(seq, _batch(lengths.get(seq, 20)))
     assert pool.live == [a, c]
@@ -108,8 +115,8 @@ def test_requests_go_to_the_fewest_outstanding_tokens_and_a_lost_servers_move():
     pool.submit(5, _batch(5))
     with pytest.raises(TargetLost):
         pool.result(5, _batch(5), 0.0)
-    with pytest.raises(TargetGone, match="every server of target.sglang.urls is lost"):
-        pool.restart()
+    with pytest.raises(TargetGone, match=f"sglang server {URLS[1]} did not answer again"):
+        pool.restart()  # every server lost: the wait for the first lost one, b, which stays down
     pool.close()
     assert a.closed and b.closed and c.closed
 
@@ -174,3 +181,38 @@ def test_servers_per_node_is_for_started_servers(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
     assert [node_share(i, 2) for i in range(2)] == [[0, 1, 2], [3, 4]]
     assert [node_share(i, 7) for i in (0, 6)] == [[0], [1]]  # fewer cores than servers
+
+
+def test_an_attached_server_rejoins_and_a_server_of_another_model_is_refused(monkeypatch):
+    said = {url: {"model_path": "/m/x", "dtype": "bfloat16", "quantization": None} for url in URLS}
+    said[URLS[2]] = {**said[URLS[2]], "quantization": "fp8", "served_model_name": "x"}
+    monkeypatch.setattr(pool_module, "_get_json", lambda url: said[url.rsplit("/", 1)[0]])
+    monkeypatch.setattr(FakeServer, "identity_path", "/server_info")
+    pool = ServerPool(FakeServer, _recipe(urls=URLS), 0, 1, 4)
+    with pytest.raises(ValueError) as e:
+        pool.wait_ready()
+    assert str(e.value) == (
+        f"target.sglang.urls: every server must serve the same model; {URLS[2]} serves "
+        "{'model_path': '/m/x', 'dtype': 'bfloat16', 'quantization': 'fp8'}, "
+        f"{URLS[0]} serves {{'model_path': '/m/x', 'dtype': 'bfloat16', 'quantization': None}}"
+    )
+    said[URLS[2]]["quantization"] = None
+    pool = ServerPool(FakeServer, _recipe(urls=URLS), 0, 1, 4)
+    pool.wait_ready()
+    a, b, c = pool.members
+    clock = [100.0]
+    monkeypatch.setattr(pool_module.time, "monotonic", lambda: clock[0])
+    pool.submit(0, _batch(10))
+    a.dead = True
+    with pytest.raises(TargetLost):
+        pool.result(0, _batch(10), 0.0)
+    pool.restart()
+    assert pool.live == [b, c] and pool.resting == [a] and a.futures == {}
+    said[URLS[0]]["dtype"] = "float16"  # it came back serving something else
+    clock[0] += pool_module.READMIT_S
+    with pytest.raises(ValueError, match=f"{URLS[0]} serves .*'float16'"):
+        pool.submit(1, _batch(1))
+    said[URLS[0]]["dtype"] = "bfloat16"
+    clock[0] += pool_module.READMIT_S
+    pool.submit(2, _batch(1))  # the attached server answers again: back in the pool
+    assert pool.live == [a, b, c] and pool.resting == [] and a.sent == [0, 2]

@@ -16,18 +16,27 @@ A lost server: the member whose request failed (TargetLost: unreachable; Timeout
 no answer within target.timeout_s) is dropped by `restart()`, which the stream calls
 before it re-sends its pending requests in order (training/stream.py); a request still in
 flight on a live server is not sent twice (`submit` skips it), those of the lost server
-go to the others, so the rank trains every sample once, in order. An attached server is
-gone for the run; a started one is released (killed if hung) for its keeper to start
-again, and rejoins once it answers (looked at every READMIT_S, no probe: the same
-command came back). Once every server is lost the run stops (TargetGone) naming them,
-or, for started servers, waits for one to come back as a single server's run does.
+go to the others (and their futures on the lost one are dropped), so the rank trains
+every sample once, in order. A lost server is released (a started one killed if hung,
+for its keeper to start again) and rejoins once it answers (looked at every READMIT_S,
+no probe: the same command, or the same attached server, came back). Once every server
+is lost the run waits for the first lost one as a single server's run does: a started
+one within target.max_restarts, an attached one within startup_timeout_s, then stops
+(TargetGone, resumable: run_status.json) naming it.
+
+One model: every member must serve what the first serves (the engine's `identity`:
+SGLang's model path, dtype and quantization from /server_info), checked when the pool
+starts and when a member rejoins; a member that serves another is refused, naming both.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import sys
 import time
+import urllib.request
+from typing import Any
 
 from specforge_dspark.engines.features import PaddedBatch, TargetFeatures, TargetGone, TargetLost
 
@@ -100,8 +109,8 @@ class ServerPool:
             member = engine_cls(one, rank, world_size, num_slots, shared=shared, index=i)
             self.members.append(member)
         self.live = list(self.members)
-        self.started = not section.urls  # the node's own servers, which come back
-        self.resting = []  # started servers lost, until they answer again
+        self.resting = []  # servers lost, until they answer again
+        self.model: dict[str, Any] | None = None  # what the first member serves
         self._look_at = 0.0  # when readmit() next looks at them
         self.assigned: dict[int, tuple[object, int]] = {}  # seq -> (member, tokens)
         self.lost = None  # the member whose request failed last
@@ -123,6 +132,22 @@ class ServerPool:
     def wait_ready(self) -> None:
         for member in self.live:
             member.wait_ready()
+            self.same_model(member)
+
+    def same_model(self, member) -> None:
+        """ValueError when `member` serves another model than the pool's first member."""
+        if not member.identity_path:
+            return
+        said = member.identity(_get_json(f"{member.url}{member.identity_path}"))
+        if self.model is None:
+            self.model = {"server": member.url, **said}
+            return
+        want = {k: v for k, v in self.model.items() if k != "server"}
+        if said != want:
+            raise ValueError(
+                f"{self.key}: every server must serve the same model; {member.url} serves "
+                f"{said}, {self.model['server']} serves {want}"
+            )
 
     def submit(self, seq: int, batch: PaddedBatch) -> None:
         if seq in self.assigned:  # in flight on a live server: a re-send after a loss
@@ -140,6 +165,7 @@ class ServerPool:
             return
         self._look_at = now + READMIT_S
         for member in [m for m in self.resting if m.answering()]:
+            self.same_model(member)
             self.resting.remove(member)
             self.live = [m for m in self.members if m in self.live or m is member]
             _say(f"[rank {self.rank}] {member.name} answers again: back in {self.key}")
@@ -156,23 +182,22 @@ class ServerPool:
 
     def restart(self) -> None:
         """Drop the server whose request failed; its requests are sent again (module
-        docstring). With every server lost: TargetGone, or for started servers the wait
-        for the first lost one to answer again (TargetLost or TimeoutError when it does
-        not: the stream tries again within target.max_restarts)."""
+        docstring). With every server lost: the wait for the first lost one to answer
+        again (a started one: TargetLost or TimeoutError when it does not, and the
+        stream tries again within target.max_restarts; an attached one: TargetGone)."""
         lost, self.lost = self.lost, None
         if lost in self.live:
             self.live.remove(lost)
             moved = [seq for seq, (m, _) in self.assigned.items() if m is lost]
             for seq in moved:
                 del self.assigned[seq]
-            again = ""
-            if self.started:
-                lost.release()  # a hung one is killed: its keeper starts it again
-                self.resting.append(lost)
-                again = " until it answers again"
+                lost.futures.pop(seq, None)  # its reply, if any, is no longer awaited
+            lost.release()  # a hung started one is killed: its keeper starts it again
+            self.resting.append(lost)
             _say(
-                f"[rank {self.rank}] {lost.name} is lost: dropped from {self.key}{again}; its "
-                f"{len(moved)} request(s) in flight go to the {len(self.live)} other(s)"
+                f"[rank {self.rank}] {lost.name} is lost: dropped from {self.key} until it "
+                f"answers again; its {len(moved)} request(s) in flight go to the "
+                f"{len(self.live)} other(s)"
             )
         if self.live:
             return
@@ -180,12 +205,22 @@ class ServerPool:
             raise TargetGone(f"every server of {self.key} is lost ({lost and lost.name})")
         back = self.resting[0]
         back.restart()
+        self.same_model(back)
         self.resting.remove(back)
         self.live = [back]
 
     def close(self) -> None:
         for member in reversed(self.members):  # the first owns the slots: closed last
             member.close()
+
+
+def _get_json(url: str) -> dict[str, Any]:
+    """A server's JSON answer to a GET (TargetLost when it cannot be reached)."""
+    try:
+        with urllib.request.urlopen(url, timeout=30.0) as r:
+            return json.loads(r.read())
+    except OSError as e:
+        raise TargetLost(f"GET {url}: {type(e).__name__}: {e}") from None
 
 
 def _say(line: str) -> None:

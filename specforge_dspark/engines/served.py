@@ -74,6 +74,14 @@ class ServedEngine:
     """The server's health URL path: 200 once it serves."""
     no_features_hint = ""
     """What to check when the server answered but wrote nothing (after 'wrote no features')."""
+    identity_path = ""
+    """GET path whose JSON says what the server serves ("": the engine does not say)."""
+
+    @staticmethod
+    def identity(info: dict[str, Any]) -> dict[str, Any]:
+        """The fields of the `identity_path` answer that name the served model (pool.py
+        compares them across a pool's servers)."""
+        return {}
 
     def __init__(
         self, recipe, rank: int, num_slots: int, restarts: bool, shared=None, index: int = 0

@@ -206,6 +206,7 @@ class SGLangEngine(ServedEngine):
 
     engine = "sglang"
     health_path = "/health_generate"
+    identity_path = "/server_info"  # the resolved server args (and live scheduler state)
     no_features_hint = (
         ": is specforge_dspark installed in the server's environment (entry point "
         f"sglang.srt.plugins:{PLUGIN_NAME}) and not excluded by SGLANG_PLUGINS?"
@@ -216,6 +217,10 @@ class SGLangEngine(ServedEngine):
     ):
         self._args: list[str] | None = None
         super().__init__(recipe, rank, num_slots, restarts=True, shared=shared, index=index)
+
+    @staticmethod
+    def identity(info: dict[str, Any]) -> dict[str, Any]:
+        return {key: info.get(key) for key in ("model_path", "dtype", "quantization")}
 
     def launch(self, log_path: Path) -> ServerProcess:
         if self._args is None:  # once, by the starting rank only (it may convert Inkling)
