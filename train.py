@@ -34,6 +34,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--world-size", type=int, default=1, help="--dry-run: data-parallel ranks to size for"
     )
     ap.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=8,
+        help="--dry-run: GPUs of a node, for the servers it starts (default: 8)",
+    )
+    ap.add_argument(
         "--resume", default="auto", help="auto (latest complete checkpoint), none, or a step dir"
     )
     ap.add_argument(
@@ -55,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             refuse_unloaded(args.recipe, args.overrides, f"RecipeError: {e}")
         return 2
     if args.dry_run:
-        return dry_run(recipe, args.world_size)
+        return dry_run(recipe, args.world_size, args.gpus_per_node)
     from specforge_dspark.engines.features import TargetLost
     from specforge_dspark.training.checkpoint import CheckpointWriteError, ResumeError
     from specforge_dspark.training.lifecycle import RunLockError
@@ -125,13 +131,15 @@ EXIT_STOPPED = 143
 # --------------------------------------------------------------------------- dry run
 
 
-def dry_run(recipe: Recipe, world: int = 1) -> int:
+def dry_run(recipe: Recipe, world: int = 1, gpus_per_node: int = 8) -> int:
     """Build the draft on the meta device and print what a real run would hold; a served
     target's launch arguments are checked by the engine itself (launch_check.py)."""
+    from specforge_dspark.engines.pool import check_node_fits
     from specforge_dspark.training.launch_check import check_launch_args
     from specforge_dspark.training.memory import dry_run_summary
 
     try:
+        check_node_fits(recipe, gpus_per_node)
         checked = check_launch_args(recipe)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -15,7 +15,12 @@ import torch
 from specforge_dspark.config.recipe import RecipeError, recipe_from_dict
 from specforge_dspark.engines import pool as pool_module
 from specforge_dspark.engines.features import PaddedBatch, TargetGone, TargetLost
-from specforge_dspark.engines.pool import PORT_STRIDE, ServerPool, started_servers
+from specforge_dspark.engines.pool import (
+    PORT_STRIDE,
+    ServerPool,
+    check_node_fits,
+    started_servers,
+)
 from specforge_dspark.engines.sglang import SGLangEngine, node_share
 
 URLS = ["http://10.0.0.1:30000", "http://10.0.0.2:30000", "http://10.0.0.3:30000"]
@@ -216,3 +221,22 @@ def test_an_attached_server_rejoins_and_a_server_of_another_model_is_refused(mon
     clock[0] += pool_module.READMIT_S
     pool.submit(2, _batch(1))  # the attached server answers again: back in the pool
     assert pool.live == [a, b, c] and pool.resting == [] and a.sent == [0, 2]
+
+
+def test_the_dry_run_refuses_more_started_servers_than_the_node_has_gpus(tmp_path, capsys):
+    import train
+
+    fits = _recipe("cuda", servers_per_node=2, server_args={"tp_size": 4})
+    check_node_fits(fits, 8)
+    check_node_fits(_recipe(servers_per_node=3, server_args={"tp_size": 4}), 8)  # CPU: cores
+    over = _recipe("cuda", servers_per_node=2, server_args={"tp_size": 4, "base_gpu_id": 4})
+    with pytest.raises(ValueError, match=r"servers_per_node=2 servers of 4 GPU\(s\) each "
+                       r".* from base_gpu_id 4 need GPUs 4-11; a node has 8"):  # fmt: skip
+        check_node_fits(over, 8)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "target: {backend: sglang, device: cuda, sglang: {servers_per_node: 3, "
+        "server_args: {tp_size: 4}}}\ndraft: {target_layer_ids: [0, 1], num_target_layers: 4}\n"
+    )
+    assert train.main(["--recipe", str(recipe), "--dry-run", "--gpus-per-node", "8"]) == 2
+    assert "need GPUs 0-11; a node has 8" in capsys.readouterr().err

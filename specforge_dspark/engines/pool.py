@@ -38,6 +38,8 @@ import time
 import urllib.request
 from typing import Any
 
+import torch
+
 from specforge_dspark.engines.features import PaddedBatch, TargetFeatures, TargetGone, TargetLost
 
 PORT_STRIDE = 16
@@ -67,6 +69,24 @@ def gpus_per_server(section) -> int:
     from specforge_dspark.engines.sglang import server_ranks
 
     return server_ranks([f for k, v in section.server_args.items() for f in cli_flag(k, v)])
+
+
+def check_node_fits(recipe, gpus_per_node: int, engine: str = "sglang") -> None:
+    """ValueError when the servers a node starts (target.<engine>.servers_per_node, each
+    on tp x dp x pp GPUs from base_gpu_id) need more GPUs than the node has."""
+    section = getattr(recipe.target, engine, None)
+    if recipe.target.device == "cpu" or section is None or recipe.target.backend != engine:
+        return
+    if section.url or getattr(section, "urls", None):
+        return  # attached: not started on this node
+    servers, gpus = getattr(section, "servers_per_node", 1), gpus_per_server(section)
+    base = int(section.server_args.get("base_gpu_id", 0))
+    if base + servers * gpus > gpus_per_node:
+        raise ValueError(
+            f"target.{engine}.servers_per_node={servers} servers of {gpus} GPU(s) each "
+            f"(tp x dp x pp of server_args) from base_gpu_id {base} need GPUs {base}-"
+            f"{base + servers * gpus - 1}; a node has {gpus_per_node}"
+        )
 
 
 def started_servers(recipe, engine: str = "sglang") -> str:
@@ -103,6 +123,8 @@ class ServerPool:
         section = getattr(recipe.target, engine)
         self.rank = rank
         self.key = f"target.{engine}." + ("urls" if section.urls else "servers_per_node")
+        if not section.urls and recipe.target.device != "cpu" and torch.cuda.is_available():
+            check_node_fits(recipe, torch.cuda.device_count(), engine)
         self.members = []
         for i, one in enumerate(member_recipes(recipe, engine)):
             shared = self.members[0] if self.members else None
