@@ -1,8 +1,11 @@
 """Rank pooling: two gloo ranks with different numbers of valid blocks train like one
-process on the union of their sequences (DSPARK_SPEC.md section 3, item 6)."""
+process on the union of their sequences (DSPARK_SPEC.md section 3, item 6), with the
+fixed decay slot weights and with D-PACE's (whose normaliser, the supervised slots, is
+pooled over the ranks like the decay weights' sum: not computed per rank)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -21,7 +24,7 @@ def _union_inputs():
     return draft, head, batch, anchors_for(batch)
 
 
-def _rank_main(rank: int, store_dir: str) -> None:
+def _rank_main(rank: int, store_dir: str, weighting: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=len(SHARDS)
@@ -34,7 +37,7 @@ def _rank_main(rank: int, store_dir: str) -> None:
         **{k: v[rows] for k, v in batch.items()},
         anchors_BN=anchors[rows],
         block_valid_BN=valid[rows],
-        obj=OBJ,
+        obj=dataclasses.replace(OBJ, slot_weighting=weighting),
     )
     out.loss.backward()
     grads = {}
@@ -49,12 +52,14 @@ def _rank_main(rank: int, store_dir: str) -> None:
 
 
 @pytest.mark.slow
-def test_two_ranks_equal_one_process_on_the_union(tmp_path):
-    mp.spawn(_rank_main, args=(str(tmp_path),), nprocs=len(SHARDS), join=True)
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+def test_two_ranks_equal_one_process_on_the_union(tmp_path, weighting):
+    mp.spawn(_rank_main, args=(str(tmp_path), weighting), nprocs=len(SHARDS), join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(len(SHARDS))]
 
     draft, head, batch, (anchors, valid) = _union_inputs()
-    out = compute_loss_at(draft, head, **batch, anchors_BN=anchors, block_valid_BN=valid, obj=OBJ)
+    obj = dataclasses.replace(OBJ, slot_weighting=weighting)
+    out = compute_loss_at(draft, head, **batch, anchors_BN=anchors, block_valid_BN=valid, obj=obj)
     out.loss.backward()
 
     assert [float(r["metrics"]["valid_blocks"]) for r in ranks] == [15.0, 15.0]
