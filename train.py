@@ -134,11 +134,13 @@ EXIT_STOPPED = 143
 def dry_run(recipe: Recipe, world: int = 1, gpus_per_node: int = 8) -> int:
     """Build the draft on the meta device and print what a real run would hold; a served
     target's launch arguments are checked by the engine itself (launch_check.py)."""
+    from specforge_dspark.config.validate import check_data_files
     from specforge_dspark.engines.pool import check_node_fits
     from specforge_dspark.training.launch_check import check_launch_args
     from specforge_dspark.training.memory import dry_run_summary
 
     try:
+        check_data_files(recipe)
         check_node_fits(recipe, gpus_per_node)
         checked = check_launch_args(recipe)
     except ValueError as e:

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="recipe overrides, key.sub=value")
     a = ap.parse_args(argv)
     try:
-        recipe = load_recipe(a.recipe, a.overrides)
+        recipe = load_recipe(a.recipe, a.overrides, required={})  # its sections: data, target
         params = params_from_recipe(recipe, a.split, a.input, a.format)
     except (RecipeError, ValueError) as e:
         print(f"prepare: {e}", file=sys.stderr)

@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="recipe overrides, key.sub=value")
     a = ap.parse_args(argv)
     try:
-        recipe = load_recipe(a.recipe, a.overrides)
+        recipe = load_recipe(a.recipe, a.overrides, required={})  # its sections: target, data
     except RecipeError as e:
         print(f"regenerate: {e}", file=sys.stderr)
         return 2

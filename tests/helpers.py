@@ -2,6 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA_HERE = [
+    f"data.train_files=[{SHARED_DATA}/train/gsm8k_train.jsonl]",
+    f"data.eval_files=[{SHARED_DATA}/eval/gsm8k_test.jsonl]",
+]
+"""Overrides pointing a production recipe, whose data data_pipelines.regenerate makes
+(and the dry run refuses until it is there), at files that exist here."""
+
 # A tiny DSpark draft: GQA (4 query heads over 2 KV heads), 2 layers, 2 aux layers.
 TINY_DRAFT = dict(
     hidden_size=32,

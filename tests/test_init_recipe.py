@@ -21,6 +21,7 @@ import yaml
 import train
 from specforge_dspark.cli.init_recipe import aux_layer_ids, main
 from specforge_dspark.config.recipe import load_recipe
+from tests.helpers import DATA_HERE
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -167,8 +168,10 @@ def _comments(recipe: Path) -> str:
 
 
 def _init(target: Path, out: Path, *args: str) -> dict:
+    """init_recipe, then the dry run on data that exists (the recipe names the files that
+    data_pipelines.regenerate makes, which the dry run refuses until they are there)."""
     assert main(["--target", str(target), "--out", str(out), *args]) == 0
-    assert train.main(["--recipe", str(out), "--dry-run"]) == 0
+    assert train.main(["--recipe", str(out), "--dry-run", *DATA_HERE]) == 0
     return yaml.safe_load(out.read_text())
 
 

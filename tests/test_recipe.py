@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from specforge_dspark.config.recipe import RecipeError, load_recipe, recipe_from_dict
+from tests.helpers import DATA_HERE
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -93,9 +94,10 @@ def test_problems_are_collected_into_one_error(tmp_path):
         "objective.num_anchors must be >= 1",
         "objective.ce_weight must be >= 0",
         "optim.lr: expected a number, got 'fast'",
+        "target: missing section",
     ):
         assert needle in msg, needle
-    assert "6 problem(s)" in msg
+    assert "7 problem(s)" in msg
 
 
 @pytest.mark.parametrize(
@@ -181,9 +183,23 @@ def _dry_run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_dry_run_production_param_count():
-    p = _dry_run("--recipe", "recipes/inkling_nvfp4.yaml")
+    p = _dry_run("--recipe", "recipes/inkling_nvfp4.yaml")  # its data is made by regenerate
+    assert p.returncode == 2 and "data.train_files[0]: no such file" in p.stderr, p.stderr
+    assert "data/inkling_regenerated.jsonl" in p.stderr and "Traceback" not in p.stderr
+    p = _dry_run("--recipe", "recipes/inkling_nvfp4.yaml", *DATA_HERE)
     assert p.returncode == 0, p.stderr
     assert "trainable_params: 1738783617" in p.stdout.splitlines()
+
+
+def test_a_recipe_without_target_or_draft_is_refused_naming_the_section(tmp_path):
+    lone = tmp_path / "lone.yaml"
+    lone.write_text("train:\n  max_steps: 3\n")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(lone)
+    assert "target: missing section (which model the drafter serves" in str(e.value)
+    assert "draft: missing section (the drafter's shape" in str(e.value)
+    p = _dry_run("--recipe", str(lone))
+    assert p.returncode == 2 and "target: missing section" in p.stderr, p.stderr
 
 
 def test_dry_run_bad_recipe_is_one_message_not_a_traceback(tmp_path):

@@ -16,6 +16,7 @@ from specforge_dspark.drafters.dspark import DSparkConfig
 from specforge_dspark.drafters.registry import new_draft
 from specforge_dspark.export.conventions import CONVENTIONS_KEY
 from specforge_dspark.export.speculators import speculators_config
+from tests.helpers import DATA_HERE
 
 REPO = Path(__file__).resolve().parents[1]
 COUNTS = {  # trainable parameters, also printed by `train.py --dry-run` and in the README
@@ -34,7 +35,8 @@ def test_recipe_loads_builds_on_meta_and_counts(name, capsys):
     with torch.device("meta"):
         draft = new_draft(recipe.draft)
     assert sum(p.numel() for p in draft.parameters()) == COUNTS[name]
-    assert train.main(["--recipe", str(REPO / "recipes" / f"{name}.yaml"), "--dry-run"]) == 0
+    path = str(REPO / "recipes" / f"{name}.yaml")
+    assert train.main(["--recipe", path, "--dry-run", *DATA_HERE]) == 0
     printed = capsys.readouterr().out
     assert f"trainable_params: {COUNTS[name]}" in printed
     for line in ("frozen head", "draft weights", "optimizer state", "activations"):

@@ -58,9 +58,22 @@ __all__ = [  # the sections are imported from here by name (config/sections.py d
 
 # --------------------------------------------------------------------------- loading
 
+REQUIRED_SECTIONS = {
+    "target": "which model the drafter serves, and how its features are read",
+    "draft": "the drafter's shape, which must match the target's (aux layers, vocabulary)",
+}
+"""Sections a recipe file must have: their defaults describe no real target, and a run
+on them would fail only once the target is built."""
 
-def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """Load `path`, apply `key.sub=value` overrides, validate; raise RecipeError."""
+
+def load_recipe(
+    path: str | Path,
+    overrides: list[str] | None = None,
+    required: dict[str, str] = REQUIRED_SECTIONS,
+) -> Recipe:
+    """Load `path`, apply `key.sub=value` overrides, validate; raise RecipeError. The
+    sections of `required` must be in the file (a tool that reads only some sections,
+    such as the data pipelines, passes fewer)."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe file not found: {path}")
@@ -75,6 +88,9 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         apply_override(raw, item, errors)
     recipe = build_dataclass(Recipe, raw, "", errors)
     errors += _cross_checks(recipe, errors)
+    errors += [
+        f"{name}: missing section ({why})" for name, why in required.items() if name not in raw
+    ]
     if errors:
         raise RecipeError(_format(path, errors))
     recipe.source = str(path)

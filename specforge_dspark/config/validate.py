@@ -247,3 +247,19 @@ def server_topology_problems(r: Recipe) -> list[str]:
                 "handoff (only tensor parallelism, tp_size, has); remove it"
             )
     return out
+
+
+def check_data_files(r: Recipe) -> None:
+    """ValueError naming the key and path of the first data file that does not exist (the
+    dry run refuses what the run's data preparation would)."""
+    import os
+    from pathlib import Path
+
+    for key in ("train_files", "eval_files"):
+        for i, name in enumerate(getattr(r.data, key)):
+            if not Path(name).is_file():
+                raise ValueError(
+                    f"data.{key}[{i}]: no such file {name} (from {os.getcwd()}); point the key "
+                    f"at your data, or make it first (python -m data_pipelines.regenerate "
+                    f"--recipe {r.source} for on-policy answers: docs/data.md)"
+                )
