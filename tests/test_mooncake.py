@@ -2,7 +2,9 @@
 process's Transfer Engine (127.0.0.1), written by slot_writer in another process on
 127.0.0.2 through its own engine (TCP). The ticket protocol holds as over /dev/shm: rows
 land at their offsets (whole or in chunks), a reissued ticket's late writer writes
-nothing, a failure reaches the ticket, an offset outside the slot is refused; a location
+nothing, a failure reaches the ticket, an offset outside the slot is refused; fp8 rows
+quantized into the staging buffer arrive as over /dev/shm (the last hidden bitwise bf16);
+the staging buffer is page-locked exactly where CUDA is available; a location
 round-trips; an environment without Mooncake is told what to install; the recipe refuses
 the transport where no writer uses it."""
 
@@ -19,6 +21,7 @@ import torch
 
 from specforge_dspark.config.recipe import RecipeError, recipe_from_dict
 from specforge_dspark.engines import mooncake
+from specforge_dspark.engines.fp8_rows import FP8, dequantize, quantize
 from specforge_dspark.engines.mooncake import Exposer, Remote
 from specforge_dspark.engines.shm import DTYPE_CODES, ShmSlot
 from specforge_dspark.engines.tickets import DONE, FAILED, PENDING, Ticket
@@ -32,7 +35,7 @@ def _rows(n: int, seed: int) -> torch.Tensor:
 
 
 def _write_from_elsewhere(location: str, calls: list[dict]) -> str:
-    env = {**os.environ, mooncake.HOST_ENV: "127.0.0.2"}
+    env = {**os.environ, mooncake.HOST_ENV: "127.0.0.2", "PYTHONPATH": str(REPO)}  # this checkout
     cmd = [sys.executable, str(REPO / "tests" / "mooncake_writer.py"), location]
     cmd += [json.dumps(calls), str(D), str(H)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
@@ -52,12 +55,21 @@ def test_a_writer_on_another_address_fills_the_tickets_through_mooncake():
     code = DTYPE_CODES[torch.float32]
     for b, n in enumerate(lengths):
         slot.write_ticket(b, Ticket(PENDING, n, 0, *views.offsets(b), D, H, code, nonce=10 + b))
+    fp8 = ShmSlot("mcfp8", aux_width=D, hidden=H, dtype=FP8, exposer=exposer)
+    fp8_views = fp8.prepare([7])
+    fp8_code = DTYPE_CODES[FP8]
+    fp8.write_ticket(0, Ticket(PENDING, 7, 0, *fp8_views.offsets(0), D, H, fp8_code, nonce=4))
     calls = [
         {"op": "write", "ticket": 0, "nonce": 10, "row0": 0, "rows": 5, "seed": 0},
         {"op": "write", "ticket": 1, "nonce": 11, "row0": 0, "rows": 4, "seed": 1},  # chunk 1
         {"op": "write", "ticket": 1, "nonce": 11, "row0": 4, "rows": 3, "seed": 2},  # chunk 2
         {"op": "write", "ticket": 2, "nonce": 99, "row0": 0, "rows": 4, "seed": 3},  # reissued
         {"op": "fail", "ticket": 3, "nonce": 13, "message": "no hidden states here"},
+        *(  # fp8 rows, in two chunks
+            {"op": "write", "ticket": 0, "nonce": 4, "row0": r, "rows": n, "seed": 5 + r}
+            | {"location": fp8.location}
+            for r, n in ((0, 4), (4, 3))
+        ),
     ]
     log = _write_from_elsewhere(slot.location, calls)
     assert "listening on 127.0.0.2" in log  # the writer's own engine, on its own address
@@ -71,6 +83,15 @@ def test_a_writer_on_another_address_fills_the_tickets_through_mooncake():
     assert (t2.status, t2.written) == (PENDING, 0) and not views.rows(2)[0].any()
     assert "reissued" in log
     assert (t3.status, t3.error) == (FAILED, "no hidden states here")
+    assert (fp8.read_ticket(0).status, fp8.read_ticket(0).written) == (DONE, 7)
+    sent = torch.cat([_rows(4, 5), _rows(3, 9)])
+    q, scale = quantize(sent[:, :D].reshape(7, D // H, H))  # as over /dev/shm
+    aux_q, last = fp8_views.rows(0)
+    assert torch.equal(aux_q.view(torch.uint8), q.view(7, D).view(torch.uint8))
+    assert torch.equal(fp8_views.aux_scale, scale)
+    assert torch.equal(last, sent[:, D:].to(torch.bfloat16))
+    assert dequantize(aux_q, fp8_views.aux_scale, torch.float32).isfinite().all()
+    fp8.close()
 
     # rows past the ticket's sequence: refused by the ticket's checks, nothing written
     slot.write_ticket(2, Ticket(PENDING, 4, 0, *views.offsets(2), D, H, code, nonce=12))
@@ -90,6 +111,16 @@ def test_bytes_outside_the_slot_are_refused_before_any_transfer():
     slot.remote = remote
     with pytest.raises(RuntimeError, match=r"bytes \[990, 1010\) lie outside the slot"):
         slot._check(990, 20)
+
+
+def test_the_staging_buffer_is_page_locked_where_cuda_is_available(monkeypatch):
+    registered = []
+    engine = type("Engine", (), {"register_memory": lambda self, a, n: registered.append(n) or 0})
+    stage = mooncake._Staging().fit(engine(), 1000)
+    assert stage.is_pinned() == torch.cuda.is_available() and registered == [1 << 16]
+    if torch.cuda.is_available():  # and where it is not, pageable memory
+        monkeypatch.setattr(mooncake.torch.cuda, "is_available", lambda: False)
+        assert not mooncake._Staging().fit(engine(), 1000).is_pinned()
 
 
 def test_an_environment_without_mooncake_is_told_what_to_install(repo):

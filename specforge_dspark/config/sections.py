@@ -57,9 +57,10 @@ class TargetRecipe:
     by Mooncake's Transfer Engine (the server anywhere: engines/mooncake.py; sglang only)."""
     mooncake: MooncakeTransport = field(default_factory=MooncakeTransport)
     transport_dtype: Literal["auto", "fp8_e4m3"] = "auto"
-    """auto: features cross in target.dtype; fp8_e4m3: the server quantizes each row to
-    float8_e4m3 with a float32 scale per row (half of bf16's bytes) and the trainer
-    dequantizes them into target.dtype (sglang only: docs/production.md)."""
+    """auto: features cross in target.dtype; fp8_e4m3: the server quantizes each aux row
+    to float8_e4m3 with a float32 scale per (row, aux layer), the last hidden rows cross
+    in bfloat16 (0.58x of bf16's bytes at 5 aux layers), and the trainer dequantizes the
+    aux rows into target.dtype on its device (sglang only: docs/production.md)."""
     sglang: SGLangServer = field(default_factory=SGLangServer)
     vllm: VLLMServer = field(default_factory=VLLMServer)
 

@@ -44,6 +44,7 @@ from typing import Any, Literal
 
 import torch
 
+from specforge_dspark.engines.fp8_rows import dequantize
 from specforge_dspark.engines.pinning import note_read
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -94,12 +95,20 @@ class TargetFeatures:
     """[B, S] int64 for packed rows (training/packing.py: several conversations per row,
     positions restarting at 0 in each; `sample_ids` then lists them all, row by row);
     None: one sequence per row, positions 0 .. S-1."""
+    aux_scale: torch.Tensor | None = None
+    """[B, S, m] float32 when the aux rows crossed as fp8 (target.transport_dtype
+    fp8_e4m3): `aux_hidden` then holds their float8_e4m3fn codes, aux layer i of a row
+    being aux_hidden[..., i*H:(i+1)*H] * aux_scale[..., i] (engines/fp8_rows.py), and
+    `to(device)` dequantizes them into last_hidden's dtype where they land; train on
+    the result. None: `aux_hidden` holds the features."""
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> TargetFeatures:
-        """These features on `device`. Host -> GPU (CUDA present) is asynchronous whatever
-        `non_blocking` says: the copies run on a side stream, the current stream waits on
-        their event (the result's `copy_done`) and the pinned slot they read is not
-        rewritten before they are done (pinning.note_read). Otherwise `Tensor.to` as asked."""
+        """These features on `device`, fp8 aux rows dequantized there (`aux_scale`). Host
+        -> GPU (CUDA present) is asynchronous whatever `non_blocking` says: the copies
+        (of the fp8 codes and scales, not of dequantized rows) and the dequantization run
+        on a side stream, the current stream waits on their event (the result's
+        `copy_done`) and the pinned slot they read is not rewritten before they are done
+        (pinning.note_read). Otherwise `Tensor.to` as asked, then the dequantization."""
         if (
             torch.device(device).type == "cuda"
             and self.aux_hidden.device.type == "cpu"
@@ -107,37 +116,54 @@ class TargetFeatures:
         ):
             return _to_gpu(self, torch.device(device))
         move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        last = move(self.last_hidden)
         return TargetFeatures(
             list(self.sample_ids),
             move(self.input_ids),
             move(self.loss_mask),
             move(self.lengths),
-            move(self.aux_hidden),
-            move(self.last_hidden),
+            _features(move(self.aux_hidden), self.aux_scale, last.dtype),
+            last,
             position_ids=None if self.position_ids is None else move(self.position_ids),
         )
+
+
+def _features(aux_BSD: torch.Tensor, scale_BSL: torch.Tensor | None, dtype) -> torch.Tensor:
+    """aux rows [B, S, D] as features: dequantized into `dtype` on aux's device when they
+    are fp8 codes with scales [B, S, m] (moved there), else as they are."""
+    if scale_BSL is None:
+        return aux_BSD
+    scale = scale_BSL.to(aux_BSD.device).flatten(0, 1)
+    return dequantize(aux_BSD.flatten(0, 1), scale, dtype).view(aux_BSD.shape)
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _to_gpu(f: TargetFeatures, device: torch.device) -> TargetFeatures:
-    """Host -> GPU copy of `f` on a side stream (TargetFeatures.to); from a pinned slot
-    the copy does not block the host, and it overlaps the GPU work already queued."""
+    """Host -> GPU copy of `f` on a side stream (TargetFeatures.to), fp8 aux rows
+    dequantized there after it; from a pinned slot the copy does not block the host, and
+    it overlaps the GPU work already queued."""
     main = torch.cuda.current_stream(device)
     side = _SIDE_STREAMS.get(main.device)
     if side is None:
         side = _SIDE_STREAMS[main.device] = torch.cuda.Stream(main.device)
     host = [f.input_ids, f.loss_mask, f.lengths, f.aux_hidden, f.last_hidden]
+    if f.aux_scale is not None:
+        host.append(f.aux_scale)
     with torch.cuda.stream(side):
         moved = [t.to(main.device, non_blocking=True) for t in host]
-    for t in moved:
+        ids, mask, lengths, aux, last = moved[:5]
+        aux = _features(aux, moved[5] if len(moved) > 5 else None, last.dtype)
+    for t in (ids, mask, lengths, aux, last):
         t.record_stream(main)  # allocated on the side stream, used on the main one
     done = side.record_event()
     main.wait_event(done)
     note_read(host, done)
     pos = None if f.position_ids is None else f.position_ids.to(main.device)
-    return TargetFeatures(list(f.sample_ids), *moved, copy_done=done, position_ids=pos)
+    return TargetFeatures(
+        list(f.sample_ids), ids, mask, lengths, aux, last, copy_done=done, position_ids=pos
+    )
 
 
 @dataclass

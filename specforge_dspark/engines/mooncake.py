@@ -27,6 +27,8 @@ import os
 import re
 import socket
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -42,6 +44,9 @@ INSTALL_HINT = (
     "(apt-get install -y libibverbs1 librdmacm1)"
 )
 HOST_ENV, DEVICE_ENV = "SFDSPARK_MOONCAKE_HOST", "SFDSPARK_MOONCAKE_DEVICE"
+
+Region = tuple[int, torch.dtype, tuple[int, ...]]
+"""Bytes of a slot as a tensor: (byte offset, dtype, shape)."""
 
 
 @dataclass(frozen=True)
@@ -139,7 +144,9 @@ class Exposer:
 
 
 class _Staging:
-    """The writer's registered bytes for what it sends and reads (grown by doubling)."""
+    """The writer's registered bytes for what it sends and reads (grown by doubling),
+    page-locked where CUDA is available, so rows on a GPU reach it by DMA (and quantized
+    fp8 rows block by block: slot_writer.py); on a host without CUDA, pageable memory."""
 
     def __init__(self):
         self.buf = torch.empty(0, dtype=torch.uint8)
@@ -149,7 +156,8 @@ class _Staging:
         if self.buf.numel() < nbytes:
             if self.buf.numel():
                 engine.unregister_memory(self.buf.data_ptr())
-            self.buf = torch.empty(max(nbytes, 2 * self.buf.numel(), 1 << 16), dtype=torch.uint8)
+            size = max(nbytes, 2 * self.buf.numel(), 1 << 16)
+            self.buf = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
             if engine.register_memory(self.buf.data_ptr(), self.buf.numel()) != 0:
                 raise RuntimeError("Mooncake could not register the writer's staging buffer")
         return self.buf
@@ -187,28 +195,38 @@ class RemoteSlot:
             )
             return stage[:n].numpy().tobytes()
 
-    def write(self, pieces: list[tuple[int, torch.Tensor | bytes]]) -> None:
-        """Write each (offset, tensor or bytes) piece, tensors as their bytes, in one batch.
-        A tensor is copied once, wherever it lives (a GPU in production), straight into
-        the registered staging bytes, each piece at a 64-byte boundary there."""
-        tensors = [
-            torch.frombuffer(bytearray(p), dtype=torch.uint8) if isinstance(p, bytes) else p
-            for _, p in pieces
-        ]
-        sizes = [t.numel() * t.element_size() for t in tensors]
-        for (off, _), n in zip(pieces, sizes, strict=True):
+    def write(self, off: int, data: bytes) -> None:
+        """Write `data` at `off` (through `staged`)."""
+        with self.staged([(off, torch.uint8, (len(data),))]) as (stage,):
+            stage.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+    @contextmanager
+    def staged(self, regions: list[Region]) -> Iterator[list[torch.Tensor]]:
+        """A tensor in the registered staging bytes for each (offset, dtype, shape) region
+        of the slot, each at a 64-byte boundary there, for the caller to fill (rows are
+        copied once, wherever they live: a GPU in production); written to the slot in one
+        batch when the `with` ends without an error. RuntimeError, before anything is
+        staged, for a region outside the slot."""
+        sizes = []
+        for off, dtype, shape in regions:
+            n = dtype.itemsize
+            for d in shape:
+                n *= d
             self._check(off, n)
+            sizes.append(n)
         starts = [0]
         for n in sizes[:-1]:
             starts.append(starts[-1] + (n + 63) // 64 * 64)
         with _STAGING.lock:
             stage = _STAGING.fit(self.engine, starts[-1] + sizes[-1])
-            for t, at, n in zip(tensors, starts, sizes, strict=True):
-                stage[at : at + n].view(t.dtype).view(t.shape).copy_(t.detach())
+            yield [
+                stage[at : at + n].view(dtype).view(shape)
+                for (_, dtype, shape), at, n in zip(regions, starts, sizes, strict=True)
+            ]
             srcs = [stage.data_ptr() + at for at in starts]
-            dsts = [self.remote.addr + off for off, _ in pieces]
+            dsts = [self.remote.addr + off for off, _, _ in regions]
             status = self.engine.batch_transfer_sync_write(self.remote.peer, srcs, dsts, sizes)
-            self._done(status, "write", pieces[0][0], sum(sizes))
+            self._done(status, "write", regions[0][0], sum(sizes))
 
     def _done(self, status: int, what: str, off: int, n: int) -> None:
         if status != 0:

@@ -278,10 +278,7 @@ class ServedEngine:
         for b, n in enumerate(views.lengths):
             self._wait_ticket(slot, b, n, deadline, f"{what}, sequence {b}")
             self.finish(views, b, n)
-        aux, last = views.padded(batch.shape[1], self.dtype)
-        return TargetFeatures(
-            batch.sample_ids, batch.input_ids, batch.loss_mask, batch.lengths, aux, last
-        )
+        return slot_features(views, batch, self.dtype)
 
     def _wait_reply(self, fut: Future, deadline: float, what: str) -> Any:
         """The reply to one request; TargetLost when the server is gone, TimeoutError
@@ -341,6 +338,24 @@ def issue_tickets(slot: ShmSlot, batch: PaddedBatch) -> SlotViews:
         ticket.nonce = new_nonce()
         slot.write_ticket(b, ticket)
     return views
+
+
+def slot_features(views: SlotViews, batch: PaddedBatch, dtype: torch.dtype) -> TargetFeatures:
+    """`batch`'s features from the written rows of `views`, padded to the batch (views of
+    the slot when every length is the same), the last hidden rows in `dtype`
+    (target.dtype). fp8 aux rows stay fp8 beside their scales: `TargetFeatures.to`
+    dequantizes them where they land (on the GPU after an asynchronous copy)."""
+    S = batch.shape[1]
+    aux, last = views.padded(S)
+    return TargetFeatures(
+        batch.sample_ids,
+        batch.input_ids,
+        batch.loss_mask,
+        batch.lengths,
+        aux,
+        last.to(dtype),
+        aux_scale=views.padded_scale(S),
+    )
 
 
 def check_reply(reply: Any, name: str, what: str) -> None:

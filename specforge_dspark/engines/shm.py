@@ -9,7 +9,13 @@ copied on the way. Layout, all offsets 64-byte aligned:
     tickets  max_seqs x 256 bytes: per-sequence request/answer records (tickets.py)
     ids      int64 [capacity]          input ids, [T]
     aux      dtype [capacity, D]       aux hidden states, [T, D]
-    last     dtype [capacity, H]       post-norm last hidden states, [T, H]
+    last     last dtype [capacity, H]  post-norm last hidden states, [T, H]
+    scales   float32 [capacity, m]     fp8 slots only: a scale per (row, aux layer), [T, m]
+
+The dtype is the slot's (the trainer's target.dtype, or float8_e4m3fn with
+target.transport_dtype fp8_e4m3); the last hidden rows are in it too, except in an fp8
+slot, where they stay bfloat16 (they make the teacher's logits) and only the aux rows,
+m = D / H layers each, are fp8 with a float32 scale per (row, layer) (fp8_rows.py).
 
 Ragged: a request of B sequences of lengths n_0..n_{B-1} holds T = sum(n_b) rows, sequence
 b's at rows [o_b, o_b + n_b), o_b = n_0 + ... + n_{b-1} (SlotViews), so its bytes are its
@@ -23,7 +29,7 @@ their mappings (slot_writer.SlotMaps), or reach them through Mooncake (mooncake.
 CUDA both sides page-lock their mappings (`pin`: DMA at pinned bandwidth; the trainer's
 copy to the GPU may be asynchronous, and a slot waits for it before it is rewritten or
 unmapped: `note_read`, `wait_reads`). Imports only the standard library, torch and
-tickets.py: the slot writer uses it inside every engine's server.
+tickets.py (and fp8_rows.py): the slot writer uses it inside every engine's server.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from specforge_dspark.engines.fp8_rows import FP8
 from specforge_dspark.engines.pinning import pin, unpin, wait_reads
 from specforge_dspark.engines.ragged import pad_rows, starts
 from specforge_dspark.engines.tickets import TICKET_SIZE, Ticket
@@ -49,16 +56,19 @@ logger = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 FILE_PREFIX = "sfdspark-"
 
-FP8 = torch.float8_e4m3fn
 DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, FP8: 4
 }  # fmt: skip
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 _HEADER = struct.Struct("<8s10q")  # magic, capacity, max_seqs, D, H, dtype, 5 offsets
 HEADER_SIZE = _HEADER.size
-_MAGIC = b"SFDSPK03"  # 03: per-row scales of fp8 rows
+_MAGIC = b"SFDSPK04"  # 04: fp8 slots: per-(row, aux layer) scales, last rows bf16
+
+
+def last_rows_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a slot's last hidden rows: the slot's, bfloat16 in an fp8 slot."""
+    return torch.bfloat16 if dtype == FP8 else dtype
 
 
 def _align(n: int) -> int:
@@ -76,18 +86,30 @@ class SlotLayout:
     ids_off: int
     aux_off: int
     last_off: int
-    scales_off: int  # fp8 only: float32 [capacity] aux scales, then [capacity] last scales
+    scales_off: int  # fp8 only: float32 [capacity, m] aux scales
     nbytes: int
+
+    @property
+    def last_dtype(self) -> torch.dtype:
+        """The dtype of the last hidden rows (`last_rows_dtype`)."""
+        return last_rows_dtype(self.dtype)
+
+    @property
+    def layers(self) -> int:
+        """m, the aux layers of a row (D / H)."""
+        return self.aux_width // self.hidden
 
     @staticmethod
     def plan(capacity: int, max_seqs: int, aux_width: int, hidden: int, dtype) -> SlotLayout:
-        item = torch.empty((), dtype=dtype).element_size()
+        fp8 = dtype == FP8
+        assert not (fp8 and aux_width % hidden), "an fp8 slot's aux row is m whole layers"
+        last_dtype = last_rows_dtype(dtype)
         tickets = _align(_HEADER.size)
         ids = _align(tickets + max_seqs * TICKET_SIZE)
         aux = _align(ids + capacity * 8)
-        last = _align(aux + capacity * aux_width * item)
-        scales = _align(last + capacity * hidden * item)
-        end = _align(scales + (2 * capacity * 4 if dtype == FP8 else 0))
+        last = _align(aux + capacity * aux_width * dtype.itemsize)
+        scales = _align(last + capacity * hidden * last_dtype.itemsize)
+        end = _align(scales + (capacity * (aux_width // hidden) * 4 if fp8 else 0))
         return SlotLayout(
             capacity, max_seqs, aux_width, hidden, dtype, tickets, ids, aux, last, scales, end
         )
@@ -110,6 +132,12 @@ class SlotLayout:
     @staticmethod
     def unpack(buf, where: str) -> SlotLayout:
         magic, cap, seqs, aux_w, hidden, code, *offs = _HEADER.unpack_from(buf, 0)
+        if magic[:6] == _MAGIC[:6] and magic != _MAGIC:
+            raise RuntimeError(
+                f"{where}: slot layout version {magic[6:].decode(errors='replace')}, this "
+                f"code reads {_MAGIC[6:].decode()}: the trainer and the engine's plugin differ "
+                "(reinstall the plugin in the engine's environment from this checkout)"
+            )
         if magic != _MAGIC or code not in CODE_DTYPES:
             raise RuntimeError(f"{where}: not a specforge_dspark feature slot (bad header)")
         plan = SlotLayout.plan(cap, seqs, aux_w, hidden, CODE_DTYPES[code])
@@ -144,14 +172,6 @@ def view(buf, dtype: torch.dtype, offset: int, shape: tuple[int, ...]) -> torch.
     return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(shape)
 
 
-def quantize_rows(x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8 rows [N, D] (float8_e4m3fn) and their float32 scales [N]: x ~ q * scale, each
-    row's largest magnitude at FP8_MAX (an all-zero row: scale 1)."""
-    amax_N = x_ND.detach().abs().amax(-1).float()
-    scale_N = torch.where(amax_N > 0, amax_N / FP8_MAX, torch.ones_like(amax_N))
-    return (x_ND.float() / scale_N[:, None]).to(FP8), scale_N
-
-
 def release(buf: mmap.mmap | None) -> None:
     """Unmap when no tensor still aliases it; otherwise the GC unmaps it later."""
     if buf is None:
@@ -165,7 +185,7 @@ def release(buf: mmap.mmap | None) -> None:
 class SlotViews:
     """Tensors over one mapped slot for a ragged request of sequences `lengths` (producer
     or consumer side): input_ids [T], aux [T, D], last [T, H], T = sum(lengths), sequence
-    b's rows at `starts[b]`."""
+    b's rows at `starts[b]`; in an fp8 slot aux_scale [T, m] too (None otherwise)."""
 
     def __init__(self, buf: mmap.mmap, layout: SlotLayout, lengths: Sequence[int]):
         self.lengths = [int(n) for n in lengths]
@@ -179,11 +199,10 @@ class SlotViews:
         self.layout = layout
         self.input_ids = view(buf, torch.long, layout.ids_off, (T,))
         self.aux = view(buf, layout.dtype, layout.aux_off, (T, layout.aux_width))
-        self.last = view(buf, layout.dtype, layout.last_off, (T, layout.hidden))
-        if layout.dtype == FP8:  # per-row scales: row r is aux[r] * aux_scale[r]
-            self.aux_scale = view(buf, torch.float32, layout.scales_off, (T,))
-            last_scales = layout.scales_off + layout.capacity * 4
-            self.last_scale = view(buf, torch.float32, last_scales, (T,))
+        self.last = view(buf, layout.last_dtype, layout.last_off, (T, layout.hidden))
+        self.aux_scale = None
+        if layout.dtype == FP8:  # aux layer i of row r: aux[r, i*H:(i+1)*H] * aux_scale[r, i]
+            self.aux_scale = view(buf, torch.float32, layout.scales_off, (T, layout.layers))
 
     def rows(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence b's aux rows [n_b, D] and last-hidden rows [n_b, H]."""
@@ -192,24 +211,29 @@ class SlotViews:
 
     def offsets(self, b: int) -> tuple[int, int]:
         """Byte offsets in the slot of sequence b's first aux row and first last row."""
-        lay, item = self.layout, self.aux.element_size()
-        o = self.starts[b]
-        return lay.aux_off + o * lay.aux_width * item, lay.last_off + o * lay.hidden * item
+        lay, o = self.layout, self.starts[b]
+        return (
+            lay.aux_off + o * lay.aux_width * self.aux.element_size(),
+            lay.last_off + o * lay.hidden * self.last.element_size(),
+        )
 
     def put_ids(self, input_ids_BS: torch.Tensor) -> None:
         """Write right-padded input ids [B, S] as the request's ragged ids."""
         for b, (o, n) in enumerate(zip(self.starts, self.lengths, strict=True)):
             self.input_ids[o : o + n] = input_ids_BS[b, :n]
 
-    def padded(self, S: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
-        """aux [B, S, D] and last [B, S, H], right-padded with zeros (`pad_rows`); fp8 rows
-        dequantized into `dtype`."""
+    def padded(self, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """aux [B, S, D] and last [B, S, H] as the slot holds them (fp8 aux rows stay
+        fp8: `padded_scale`), right-padded with zeros (`pad_rows`: page-locked copies
+        where CUDA is present, views of the slot when every length is S)."""
         pin = torch.cuda.is_available()
-        aux, last = self.aux, self.last
-        if self.layout.dtype == FP8:
-            aux = (aux.float() * self.aux_scale[:, None]).to(dtype)
-            last = (last.float() * self.last_scale[:, None]).to(dtype)
-        return pad_rows(aux, self.lengths, S, pin), pad_rows(last, self.lengths, S, pin)
+        return pad_rows(self.aux, self.lengths, S, pin), pad_rows(self.last, self.lengths, S, pin)
+
+    def padded_scale(self, S: int) -> torch.Tensor | None:
+        """The aux rows' scales [B, S, m] (zeros on padding) in an fp8 slot, else None."""
+        if self.aux_scale is None:
+            return None
+        return pad_rows(self.aux_scale, self.lengths, S, torch.cuda.is_available())
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
+from specforge_dspark.engines.fp8_rows import FP8
 from specforge_dspark.engines.shm import (
     FILE_PREFIX,
-    FP8,
     SHM_DIR,
     ShmSlot,
     SlotBudget,
@@ -58,8 +58,9 @@ def request_budget(recipe) -> SlotBudget:
 
 
 def wire_dtype(recipe) -> torch.dtype:
-    """The dtype of the rows in a slot: target.transport_dtype (fp8_e4m3: per-row scales
-    beside them), else target.dtype."""
+    """The dtype of a slot's rows: target.transport_dtype fp8_e4m3 (the aux rows fp8 with
+    a scale per (row, aux layer), the last hidden rows bfloat16: shm.py), else
+    target.dtype."""
     from specforge_dspark.engines.features import DTYPES
 
     return FP8 if recipe.target.transport_dtype == "fp8_e4m3" else DTYPES[recipe.target.dtype]

@@ -12,11 +12,15 @@ checks before copying and again before answering, so a late write lands only if 
 already copying when the slot was reused (the trainer first waits for the abandoned
 request's reply, served.py `submit`). A request's rows may arrive in chunks (a split prefill):
 each lands at its offset in the sequence, and the ticket turns DONE once all of them are
-there. Nothing here raises into the engine: a failure goes to the trainer through the
-ticket (FAILED, with the reason), and the server keeps serving.
+there. In an fp8 slot (target.transport_dtype fp8_e4m3) the aux rows are quantized where
+they are (on the GPU in production: fewer bytes to the host), a bounded block of rows at
+a time straight into the slot or the Mooncake staging buffer, with a scale per (row, aux
+layer); the last hidden rows go in bfloat16 (fp8_rows.py). Nothing here raises into the
+engine: a failure goes to the trainer through the ticket (FAILED, with the reason), and
+the server keeps serving.
 
-Imports only torch, the standard library, shm.py, tickets.py and mooncake.py: it is installed with
-`--no-deps` in each engine's own environment.
+Imports only torch, the standard library, shm.py, fp8_rows.py, tickets.py and mooncake.py:
+it is installed with `--no-deps` in each engine's own environment.
 """
 
 from __future__ import annotations
@@ -25,21 +29,20 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
-from specforge_dspark.engines.mooncake import Remote, RemoteSlot
+from specforge_dspark.engines.fp8_rows import FP8, quantize_into
+from specforge_dspark.engines.mooncake import Region, Remote, RemoteSlot
 from specforge_dspark.engines.pinning import pin, unpin
 from specforge_dspark.engines.shm import (
-    CODE_DTYPES,
-    FP8,
     HEADER_SIZE,
     SlotLayout,
     SlotViews,
     identity,
     map_path,
-    quantize_rows,
     release,
     view,
 )
@@ -144,15 +147,18 @@ class SlotAccess:
         if self.remote is None:
             self.buf[off : off + TICKET_SIZE] = t.pack()
         else:
-            self.remote.write([(off, t.pack())])
+            self.remote.write(off, t.pack())
 
-    def put_rows(self, pieces: list[tuple[int, torch.Tensor]]) -> None:
-        """Each (byte offset, tensor) piece into the slot, as its bytes."""
+    @contextmanager
+    def regions(self, regions: list[Region]) -> Iterator[list[torch.Tensor]]:
+        """A tensor to fill for each (byte offset, dtype, shape) region of the slot: views
+        of the mapping, or of the Mooncake staging buffer, written out when the `with`
+        ends without an error."""
         if self.remote is not None:
-            self.remote.write(pieces)
-            return
-        for off, rows in pieces:
-            view(self.buf, rows.dtype, off, tuple(rows.shape)).copy_(rows)
+            with self.remote.staged(regions) as tensors:
+                yield tensors
+        else:
+            yield [view(self.buf, dtype, off, shape) for off, dtype, shape in regions]
 
 
 def write_features(
@@ -174,7 +180,7 @@ def write_features(
         if problem:
             t.status, t.error = FAILED, problem
         elif t.status != FAILED:
-            slot.put_rows(_pieces(slot.layout, t, row0, aux_ND, last_NH))
+            _put_rows(slot, t, row0, aux_ND, last_NH)
             t.written = row0 + rows
             t.status = DONE if t.written == t.rows else PENDING
         if _mine(slot, nonce, ticket) is not None:
@@ -183,20 +189,22 @@ def write_features(
         logger.exception("specforge_dspark: could not hand features to %s", location)
 
 
-def _pieces(lay: SlotLayout, t: Ticket, row0: int, aux_ND, last_NH) -> list:
-    """(byte offset, tensor) of rows [row0, row0 + N) of ticket `t`'s sequence, in the
-    slot's dtype; fp8 rows quantized where they are (on the GPU in production: fewer
-    bytes to the host) with their per-row scales beside them (shm.SlotLayout)."""
-    dtype = CODE_DTYPES[t.dtype_code]
-    item = torch.empty((), dtype=dtype).element_size()
-    aux_off = t.aux_off + row0 * t.aux_width * item
-    last_off = t.last_off + row0 * t.hidden * item
-    if dtype != FP8:
-        return [(aux_off, aux_ND.to(dtype)), (last_off, last_NH.to(dtype))]
-    (aux_q, aux_s), (last_q, last_s) = quantize_rows(aux_ND), quantize_rows(last_NH)
-    row = (aux_off - lay.aux_off) // (t.aux_width * item)  # the slot row of the first
-    aux_scales, last_scales = lay.scales_off + row * 4, lay.scales_off + (lay.capacity + row) * 4
-    return [(aux_off, aux_q), (last_off, last_q), (aux_scales, aux_s), (last_scales, last_s)]
+def _put_rows(slot: SlotAccess, t: Ticket, row0: int, aux_ND, last_NH) -> None:
+    """Rows [row0, row0 + N) of ticket `t`'s sequence into the slot in its dtypes (fp8 aux
+    rows quantized block by block beside their scales: module docstring)."""
+    lay, N = slot.layout, aux_ND.shape[0]
+    aux_row, last_row = t.aux_width * lay.dtype.itemsize, t.hidden * lay.last_dtype.itemsize
+    aux_off, last_off = t.aux_off + row0 * aux_row, t.last_off + row0 * last_row
+    regions = [(aux_off, lay.dtype, (N, t.aux_width)), (last_off, lay.last_dtype, (N, t.hidden))]
+    if lay.dtype == FP8:
+        row = (aux_off - lay.aux_off) // aux_row  # the slot row of the first
+        regions.append((lay.scales_off + row * lay.layers * 4, torch.float32, (N, lay.layers)))
+    with slot.regions(regions) as (aux, last, *scale):
+        last.copy_(last_NH.to(last.dtype))  # converted where the rows are
+        if scale:
+            quantize_into(aux_ND, aux, scale[0])
+        else:
+            aux.copy_(aux_ND.to(aux.dtype))
 
 
 def _mine(slot: SlotAccess, nonce: int, index: int) -> Ticket | None:

@@ -210,15 +210,19 @@ def report(recipe: Recipe, trainable_params: int, world: int, recompute: bool = 
 def slot_summary(recipe: Recipe) -> str:
     """The dry run's line on a rank's shared-memory feature slots at their largest
     (engines/slot_budget.py; the target's hidden size taken as draft.hidden_size)."""
+    from specforge_dspark.engines.shm import last_rows_dtype
     from specforge_dspark.engines.slot_budget import request_budget, slot_bytes, wire_dtype
 
-    d, budget = recipe.draft, request_budget(recipe)
+    d, budget, dtype = recipe.draft, request_budget(recipe), wire_dtype(recipe)
     aux = len(d.target_layer_ids) * d.hidden_size
-    per_slot = slot_bytes(recipe, aux, d.hidden_size, wire_dtype(recipe))
-    rows = str(wire_dtype(recipe)).removeprefix("torch.")
+    per_slot = slot_bytes(recipe, aux, d.hidden_size, dtype)
+    name = lambda t: str(t).removeprefix("torch.")  # noqa: E731
+    rows = f"{name(dtype)} rows"
+    if last_rows_dtype(dtype) != dtype:  # fp8: the last hidden rows are not quantized
+        rows = f"{name(dtype)} aux rows ({name(last_rows_dtype(dtype))} last hidden rows)"
     return (
         f"feature slots (/dev/shm, per rank): {recipe.target.prefetch + 1} x "
-        f"{per_slot / 2**20:.1f} MiB of {rows} rows; a target request holds at most "
+        f"{per_slot / 2**20:.1f} MiB of {rows}; a target request holds at most "
         f"{budget.tokens} tokens / {budget.seqs} sequences ({budget.keys})"
     )
 

@@ -107,6 +107,7 @@ def preflight(
     left as they were, so training's first log window does not count the preflight."""
     t = recipe.target
     dtype = t.transport_dtype if t.transport_dtype != "auto" else t.dtype  # the tolerances
+    last_dtype = "bfloat16" if t.transport_dtype == "fp8_e4m3" else t.dtype  # never fp8
     counters = (stream.wait_seconds, stream.bytes_out)
     ref = load_reference(recipe, reference)
     url = getattr(stream.engine, "url", None) if t.backend == "sglang" else None
@@ -138,7 +139,7 @@ def preflight(
     expected = tap_convention(read_target_config(t.path))
     checks = shape_checks(recipe, feats, expected, _recorded_tap(recipe, stream.engine, expected))
     if greedy:
-        checks += greedy_checks(greedy, alone, head, dtype)
+        checks += greedy_checks(greedy, alone, head, last_dtype)
     else:
         checks += [
             Check(n, None, "n/a (no ground truth: no reference)")
@@ -201,7 +202,8 @@ def _as_sample(row: Any) -> Sample:
 
 
 def _clone(f: TargetFeatures) -> TargetFeatures:
-    """A copy that outlives the stream's shared-memory slot."""
+    """A copy that outlives the stream's shared-memory slot (fp8 aux rows dequantized)."""
+    f = f.to("cpu")
     return TargetFeatures(
         list(f.sample_ids),
         f.input_ids.clone(),

@@ -23,10 +23,12 @@ ARGMAX_MIN = 0.95
 """Least fraction of greedy positions whose teacher argmax must be the target's token."""
 RELATIVE_TOL = {"float32": 1e-4, "bfloat16": 3e-2, "fp8_e4m3": 7e-2}
 """max |a - b| / max |b| allowed between two runs of the same features, by target.dtype
-(by target.transport_dtype fp8_e4m3 where set: a row's rounding is within 1/16 of its
-largest element)."""
-LOGPROB_TOL = {"float32": 1e-3, "bfloat16": 0.15, "fp8_e4m3": 0.5}
-"""Largest |teacher log p(y) - target log p(y)| on greedy positions, by the same key."""
+(by target.transport_dtype fp8_e4m3 where set: an aux element's rounding is within 1/16
+of itself, or of its row's largest in that layer)."""
+LOGPROB_TOL = {"float32": 1e-3, "bfloat16": 0.15}
+"""Largest |teacher log p(y) - target log p(y)| on greedy positions, by the dtype the last
+hidden rows cross in: target.dtype, bfloat16 with target.transport_dtype fp8_e4m3 (they
+are never fp8)."""
 REFERENCE_MAX_BYTES = 4 << 30
 """--reference auto loads the in-process hf reference only for weights up to this size."""
 NEW_TOKENS = 16

@@ -1,4 +1,5 @@
-"""Transport benchmark: /dev/shm against Mooncake's Transfer Engine (TCP), same run.
+"""Transport benchmark: /dev/shm against Mooncake's Transfer Engine (TCP), and the trainer's
+side of bf16 against fp8 rows, same run.
 
 1. `transport write shm_gb_per_s=<x> mooncake_gb_per_s=<y> ratio=<y/x>`: a writer
    process (spawned, as a server's scheduler is its own process) hands one request of
@@ -11,6 +12,12 @@
    on 127.0.0.2, and per transport a trainer engine (SGLangEngine, as a rank uses it)
    fetching one training step's features (one request of --seq-len tokens: prefill,
    capture, handoff, tickets), in ABBA turns after one warm-up each; medians.
+3. `transport trainer bf16_s=<a> fp8_s=<b> ratio=<b/a>`: the trainer's side of one
+   micro-batch (one sequence of --seq-len tokens at the tiny target's shapes, written into
+   a slot of each wire dtype by slot_writer.write_features): its features from the slot
+   (served.slot_features) moved to the trainer's device (`TargetFeatures.to`: a CUDA GPU
+   when there is one, fp8 rows dequantized there; else the CPU), until they are there;
+   bf16 and fp8 in alternating turns after one warm-up each; medians.
 """
 
 from __future__ import annotations
@@ -113,6 +120,44 @@ def _request_seconds(target: str, rows: int, reps: int) -> tuple[float, float]:
     return tuple(statistics.median(times[k]) for k in ("shm", "mooncake"))
 
 
+def _trainer_seconds(target: str, rows: int, reps: int) -> tuple[float, float, str]:
+    """(bf16 seconds, fp8 seconds, device) of section 3 of the module docstring."""
+    import torch
+
+    from specforge_dspark.engines.features import PaddedBatch, read_target_dims
+    from specforge_dspark.engines.fp8_rows import FP8
+    from specforge_dspark.engines.served import issue_tickets, slot_features
+    from specforge_dspark.engines.shm import ShmSlot
+    from specforge_dspark.engines.slot_writer import write_features
+
+    dims = read_target_dims(target, LAYERS)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    aux, last = torch.randn(rows, dims.aux_width, generator=g), torch.randn(rows, dims.hidden_size)
+    ids = torch.ones(1, rows, dtype=torch.long)
+    batch = PaddedBatch([0], ids, ids, torch.tensor([rows]))
+    slots, times = {}, {"bf16": [], "fp8": []}
+    try:
+        for kind, dtype in (("bf16", torch.bfloat16), ("fp8", FP8)):
+            slot = slots[kind] = ShmSlot(f"bench{kind}", dims.aux_width, dims.hidden_size, dtype)
+            issue_tickets(slot, batch)
+            write_features(str(slot.path), 0, slot.read_ticket(0).nonce, 0, aux, last)
+        for i in range(reps + 1):  # round 0 warms both up
+            for kind in ("bf16", "fp8") if i % 2 else ("fp8", "bf16"):
+                t = time.perf_counter()
+                f = slot_features(slots[kind].views([rows]), batch, torch.bfloat16).to(device)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                if i:
+                    times[kind].append(time.perf_counter() - t)
+                del f
+    finally:
+        for slot in slots.values():
+            slot.close()
+    bf16_s, fp8_s = (statistics.median(times[k]) for k in ("bf16", "fp8"))
+    return bf16_s, fp8_s, device
+
+
 def bench_main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -140,6 +185,13 @@ def bench_main(argv: list[str] | None = None) -> int:
         f"transport request shm_s={shm_s:.4g} mooncake_s={mc_s:.4g} ratio={mc_s / shm_s:.3g} "
         f"(one step's features, {a.seq_len} tokens, live CPU SGLang server, medians of "
         f"{a.repeats})",
+        flush=True,
+    )
+    bf16_s, fp8_s, device = _trainer_seconds(target, a.seq_len, a.repeats * 5)
+    print(
+        f"transport trainer bf16_s={bf16_s:.4g} fp8_s={fp8_s:.4g} ratio={fp8_s / bf16_s:.3g} "
+        f"(one micro-batch of {a.seq_len} tokens from the slot to {device}, fp8 dequantized "
+        f"there; medians of {a.repeats * 5})",
         flush=True,
     )
     return 0
