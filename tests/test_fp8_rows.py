@@ -20,7 +20,7 @@ from specforge_dspark.engines.features import PaddedBatch
 from specforge_dspark.engines.fp8_rows import FP8, dequantize, quantize, quantize_into
 from specforge_dspark.engines.served import issue_tickets, slot_features
 from specforge_dspark.engines.shm import ShmSlot, SlotLayout
-from specforge_dspark.engines.slot_writer import write_features
+from specforge_dspark.engines.slot_writer import SLOTS, write_features
 
 M, H = 3, 8  # aux layers, hidden size
 D = M * H
@@ -211,4 +211,6 @@ def test_with_cuda_fp8_rows_copy_asynchronously_and_dequantize_on_the_gpu_as_on_
         slot.prepare(lengths)  # waits for the copy before the slot may be rewritten
         assert moved.copy_done.query() and not pinning._PINNED[slot.pinned][1]
     finally:
+        SLOTS.close()  # the writer's mapping (a server's, here in this process) is pinned too
         slot.close()
+    assert not pinning._PINNED
