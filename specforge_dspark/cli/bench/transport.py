@@ -52,7 +52,7 @@ def _write_rates(target: str, rows: int, reps: int) -> tuple[float, float]:
 
     from specforge_dspark.engines.features import PaddedBatch, read_target_dims
     from specforge_dspark.engines.mooncake import Exposer
-    from specforge_dspark.engines.served import issue_tickets
+    from specforge_dspark.engines.request import issue_tickets
     from specforge_dspark.engines.shm import ShmSlot
     from specforge_dspark.engines.tickets import DONE
 
