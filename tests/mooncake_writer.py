@@ -3,12 +3,17 @@ trainer's slot named by a Mooncake location, from another loopback address.
 
 argv[1]: JSON list of calls, each {"op": "write" | "fail", "ticket", "nonce", "row0",
 "rows", "seed", "message"}; rows are torch.randn(rows, D + H) under `seed` (D, H argv[2:4]).
+argv[5], when given: the version this environment's Mooncake distribution reports.
 """
 
+import importlib.metadata
 import json
 import sys
 
 import torch
+
+if len(sys.argv) > 5:
+    importlib.metadata.version = lambda name: sys.argv[5]
 
 from specforge_dspark.engines.slot_writer import fail, write_features
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import sys
 import threading
 import time
@@ -17,7 +18,9 @@ import pytest
 import torch
 
 from specforge_dspark.config.recipe import load_recipe
-from specforge_dspark.engines.features import TargetGone, TargetLost
+from specforge_dspark.engines.features import TargetGone, TargetLost, TargetRefused
+from specforge_dspark.engines.served import ServedEngine
+from specforge_dspark.engines.server import EngineServer, launch_env
 from specforge_dspark.engines.sglang import launch_args, request_body
 from specforge_dspark.engines.sglang_plugin import append_prefill_hidden_states
 from specforge_dspark.engines.shm import SHM_DIR
@@ -153,6 +156,44 @@ def test_a_pool_fails_over_from_a_server_whose_writer_fails(tiny_target_dir):
     finally:
         good.close()
         bad.close()
+
+
+class _Standin(ServedEngine):
+    """A started server (tests/standin_server.py) launched with an argument it refuses."""
+
+    engine, health_path = "sglang", "/health_generate"
+
+    def launch(self, log_path):
+        args = ["--port", str(self.recipe.target.sglang.port), "--bogus-flag"]
+        return EngineServer(sys.executable, "tests.standin_server", args, log_path, launch_env())
+
+
+def test_a_started_server_that_exits_before_its_first_answer_is_a_refusal(
+    tiny_target_dir, tmp_path, monkeypatch
+):
+    """Bad arguments (or an out-of-memory while loading): the server never answers once,
+    so the run is refused (TargetRefused, not the resumable TargetLost), with its log."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sglang = {"host": "127.0.0.1", "port": port, "startup_timeout_s": 60}
+    recipe = sglang_recipe(tiny_target_dir, "", sglang=sglang)
+    recipe.train.output_dir = str(tmp_path)
+    engine = _Standin(recipe, 0, 2, restarts=True)
+    try:
+        with pytest.raises(TargetRefused) as e:
+            engine.wait_ready()
+    finally:
+        engine.close()
+    message = str(e.value)
+    assert message.startswith(
+        f"sglang server http://127.0.0.1:{port} never answered once, so a retry would fail "
+        "the same way (check target.sglang.server_args, its memory, its install): sglang "
+        f"server http://127.0.0.1:{port} (pid "
+    )
+    assert f"died (exit code 2) during start-up; last log lines ({tmp_path}/sglang_" in message
+    assert "unrecognized arguments: --bogus-flag" in message
 
 
 def test_unreachable_server_fails_at_start_up(tiny_target_dir):

@@ -201,11 +201,13 @@ class ServedEngine:
         except (TargetLost, TimeoutError) as e:
             if self._wrote or (self.pid_file is None and not self._ready):
                 raise  # it served before (a restart), or an attached server is not up yet
-            log = f"; last log lines ({self.log_path}):\n{tail(self.log_path)}"
+            why = str(e)
+            if self.log_path and str(self.log_path) not in why:  # the log says why
+                why += f"; last log lines ({self.log_path}):\n{tail(self.log_path)}"
             raise TargetRefused(
-                f"{str(e).splitlines()[0]} (it never answered once: not resumable; check "
-                f"target.{self.engine}.server_args, its memory and its install)"
-                + (log if self.log_path else "")
+                f"{self.engine} server {self.url} never answered once, so a retry would fail "
+                f"the same way (check target.{self.engine}.server_args, its memory, its "
+                f"install): {why}"
             ) from e
 
     def _answer_probe(self) -> None:

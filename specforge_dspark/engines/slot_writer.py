@@ -129,6 +129,7 @@ class SlotAccess:
         self.location = location
         remote = Remote.parse(location)
         self.remote = None if remote is None else RemoteSlot(remote)
+        self.refusal = "" if self.remote is None else self.remote.refusal  # rows not written
         if self.remote is None:
             self.buf, self.layout = SLOTS.get(location)
         else:
@@ -180,7 +181,7 @@ def write_features(
         if row0 is None:
             row0 = t.written
         rows = aux_ND.shape[0]
-        problem = _check(t, row0, aux_ND, last_NH)
+        problem = slot.refusal or _check(t, row0, aux_ND, last_NH)
         if problem:
             t.status, t.error = FAILED, problem
         elif t.status != FAILED:
