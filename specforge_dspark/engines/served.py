@@ -43,6 +43,7 @@ from specforge_dspark.engines.features import (
     read_target_dims,
 )
 from specforge_dspark.engines.mooncake import Exposer
+from specforge_dspark.engines.reaper import server_gone
 from specforge_dspark.engines.request import LATE_HINT, check_reply, issue_tickets, reach_hint
 from specforge_dspark.engines.server import (
     EngineServer,
@@ -53,7 +54,6 @@ from specforge_dspark.engines.server import (
     pid_file_current,
     read_pid,
     say,
-    server_gone,
     tail,
 )
 from specforge_dspark.engines.shm import ShmSlot, SlotViews

@@ -208,18 +208,6 @@ def pid_file_current(pid_file: Path | None) -> bool:
     return pid_file is None or written_since(pid_file, started_at(os.getpid()) or 0.0)
 
 
-def server_gone(pid: int | None, old: int, look_at_group: bool) -> str:
-    """Why the server of pid `old` that requests went to is gone ("" while it serves):
-    `pid`, the pid its file names now, is another one (its keeper started a new server),
-    or, with `look_at_group`, its process group has no live process (a rank that did not
-    start it, so cannot wait for it as its parent)."""
-    if pid != old:
-        return f"was replaced by pid {pid}"
-    if look_at_group and not group_running(old):
-        return "is gone: its process group has no live process"
-    return ""
-
-
 def tail(path: Path, lines: int = 30) -> str:
     """The last `lines` lines of log `path` ("" when it cannot be read)."""
     try:
