@@ -190,6 +190,8 @@ def write_features(
             t.status = DONE if t.written == t.rows else PENDING
         if _mine(slot, nonce, ticket) is not None:
             slot.put_ticket(ticket, t)
+    except FileNotFoundError:  # the trainer gave the slot up (or exited): no one to tell
+        logger.warning("specforge_dspark: slot %s is gone: writing nothing", location)
     except Exception as e:
         logger.exception("specforge_dspark: could not hand features to %s", location)
         fail(location, ticket, nonce, f"{type(e).__name__}: {e}", lost=True)
