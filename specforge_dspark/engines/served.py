@@ -19,6 +19,15 @@ file); the keeper of the rank that started it starts it again on the same port; 
 rank waits until it answers (`target.<engine>.startup_timeout_s`). Attached servers are
 not ours: the trainer waits for them to answer again, or stops with the error that ended
 the wait. An engine whose servers are not restarted sets `restart = None`.
+
+What counts as a lost server (TargetLost: restart, or failover in a pool.py pool): no
+connection, its process gone (exited; for a rank that did not start it, its pid file
+names another pid or its process group has no live process), a ticket its writer failed
+(tickets.WRITER_FAILED), or no features by the deadline (at least WRITE_GRACE_S after a
+reply). No reply by the deadline is a TimeoutError, handled alike. A request the server
+or its writer refused stops the run (RuntimeError); a server that never served once ends
+it refused (TargetRefused). A slot whose request was given up is renewed before its next
+request (`submit`), so a late writer never touches what a later request reads.
 """
 
 from __future__ import annotations
