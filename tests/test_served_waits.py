@@ -16,7 +16,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from specforge_dspark.engines.features import PaddedBatch, TargetLost
+from specforge_dspark.engines.features import PaddedBatch, TargetLost, TargetRefused
 from specforge_dspark.engines.request import issue_tickets
 from specforge_dspark.engines.served import ServedEngine
 from specforge_dspark.engines.shm import ShmSlot
@@ -151,3 +151,26 @@ def test_a_rank_with_only_the_pid_file_sees_the_servers_group_killed(tmp_path):
     finally:
         group.kill()
         group.wait()
+
+
+def test_a_rank_that_did_not_start_the_server_sees_its_first_start_fail_at_once(tmp_path):
+    """The node's server exits while loading (its pid file current, its group gone): the
+    other ranks end with TargetRefused naming it and its log's end, not after
+    startup_timeout_s (an hour here)."""
+    group = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    group.kill()
+    group.wait()
+    pid_file = tmp_path / "sglang_server_rank0.pid"
+    pid_file.write_text(str(group.pid))
+    engine = _waiter(3600, pid_file)
+    engine.url, engine.startup_timeout_s, engine._ready = "http://127.0.0.1:9", 3600.0, False
+    engine._wrote, engine.log_path = False, tmp_path / "sglang_server_rank0.log"
+    engine.log_path.write_text("loading weights\ntorch.OutOfMemoryError: CUDA out of memory\n")
+    with pytest.raises(TargetRefused) as e:
+        engine.wait_ready()
+    assert str(e.value).startswith(
+        "sglang server http://127.0.0.1:9 never answered once, so a retry would fail the same "
+        f"way (check target.sglang.server_args, its memory, its install): sglang server "
+        f"http://127.0.0.1:9 (pid {group.pid}) exited in start-up; last log lines "
+        f"({engine.log_path}):\nloading weights\ntorch.OutOfMemoryError"
+    )

@@ -183,7 +183,8 @@ class ServedEngine:
     def _check_server(self, what: str) -> None:
         """TargetLost when the server the requests went to is gone: the one this rank
         started exited; or, from the pid file (every POLL_S), the node's server was
-        replaced (another pid) or its process group is gone (a rank that did not start it)."""
+        replaced (another pid) or its process group is gone (a rank that did not start it;
+        at the first start too, so it need not wait for startup_timeout_s)."""
         code = self.server.exit_code() if self.server else None
         if code is not None:
             raise TargetLost(
@@ -191,9 +192,14 @@ class ServedEngine:
                 f"({self.server.log_path}):\n{self.server.tail()}"
             )
         old, now = self._server_pid, time.monotonic()
-        if old is None or self.pid_file is None or now < self._group_look_at:
+        if self.pid_file is None or now < self._group_look_at:
             return
         self._group_look_at = now + POLL_S
+        if old is None:  # the first start: another rank's server that exits fails it too
+            pid = self._current_pid() if pid_file_current(self.pid_file) else None
+            if self.server is None and pid is not None and not group_running(pid):
+                raise TargetLost(f"{self.engine} server {self.url} (pid {pid}) exited in {what}")
+            return
         gone = server_gone(self._current_pid(), old, self.server is None)
         if gone:
             raise TargetLost(f"{self.engine} server {self.url} (pid {old}) {gone} during {what}")
