@@ -12,11 +12,13 @@ base_gpu_id + i x (tp x dp x pp), or on the CPU engine its share of the cores (C
 Balancing: each request goes to the live server with the fewest outstanding tokens
 (its requests sent and not yet taken back), ties to the one listed first.
 
-A lost server: the member whose request failed (TargetLost: unreachable; TimeoutError:
-no answer within target.timeout_s) is dropped by `restart()`, which the stream calls
-before it re-sends its pending requests in order (training/stream.py); a request still in
-flight on a live server is not sent twice (`submit` skips it), those of the lost server
-go to the others, so the rank trains every sample once, in order. An attached server is
+A lost server: the member whose request failed (TargetLost: unreachable, gone, its writer
+failed, no features by the deadline; TimeoutError: no answer within target.timeout_s) is
+dropped by `restart()`, which the stream calls before it re-sends its pending requests
+in order (training/stream.py); a request still in flight on a live server is not sent
+twice (`submit` skips it), those of the lost server go to the others, each in a fresh
+slot file or registration (served.py `submit`), so the rank trains every sample once, in
+order and never from a late write of the lost server. An attached server is
 gone for the run; a started one is released (killed if hung) for its keeper to start
 again, and rejoins once it answers (looked at every READMIT_S, no probe: the same
 command came back). Once every server is lost the run stops (TargetGone) naming them,
