@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.dry_run:
         return dry_run(recipe, args.world_size, args.gpus_per_node)
-    from specforge_dspark.engines.features import TargetLost
+    from specforge_dspark.engines.features import TargetLost, TargetRefused
     from specforge_dspark.training.checkpoint import CheckpointWriteError, ResumeError
     from specforge_dspark.training.lifecycle import RunLockError
     from specforge_dspark.training.nonfinite import NonFiniteError
@@ -76,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         stopped = train(run, stop_at_step=args.stop_at_step)
     except RunLockError as e:  # another job's run: its status file is left alone
         print(f"{where}error: {e}", file=sys.stderr)
+        return 2
+    except TargetRefused as e:  # the server never served once: a retry fails the same way
+        print(f"{where}error: {e}", file=sys.stderr)
+        status.end("refused", f"{type(e).__name__}: {e}")
         return 2
     except (ResumeError, RecipeError, ValueError, FileNotFoundError) as e:
         if run is not None:  # raised by the loop: a failure, not a refusal

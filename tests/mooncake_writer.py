@@ -3,13 +3,18 @@ trainer's slot named by a Mooncake location, from another loopback address.
 
 argv[1]: the location; argv[2]: JSON list of calls, each {"op": "write" | "fail", "ticket",
 "nonce", "row0", "rows", "seed", "message"}, and "location" where it is another one; rows
-are torch.randn(rows, D + H) under `seed` (D, H argv[3:5]).
+are torch.randn(rows, D + H) under `seed` (D, H argv[3:5]). argv[5], when given: the
+version this environment's Mooncake distribution reports.
 """
 
+import importlib.metadata
 import json
 import sys
 
 import torch
+
+if len(sys.argv) > 5:
+    importlib.metadata.version = lambda name: sys.argv[5]
 
 from specforge_dspark.engines.slot_writer import fail, write_features
 

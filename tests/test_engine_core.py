@@ -24,8 +24,8 @@ from specforge_dspark.engines import server, sglang, vllm
 REPO = Path(__file__).resolve().parents[1]
 ENGINES = REPO / "specforge_dspark" / "engines"
 PACKAGE = "specforge_dspark.engines"
-CORE = ("server", "served", "tickets", "slot_writer", "shm", "features")
-WRITER_SIDE = {"slot_writer", "shm", "tickets", "pinning", "ragged", "mooncake"}
+CORE = ("server", "served", "request", "tickets", "slot_writer", "shm", "features")
+WRITER_SIDE = {"slot_writer", "shm", "tickets", "pinning", "ragged", "mooncake", "fp8_rows"}
 OPTIONAL = {"mooncake": "mooncake"}  # module -> the package it imports on first use only
 CPU_PATH = str(ENGINES / "cpu")
 

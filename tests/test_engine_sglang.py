@@ -1,141 +1,30 @@
-"""The sglang backend's failure handling, against a fake server on 127.0.0.1.
-
-The real server's features are checked in tests/test_sglang_live.py. This fake exists
-to inject what a real server does rarely (stalls, HTTP errors, a missing plugin, rows
-out of order): it speaks SGLang's `/health_generate` and `/generate` and hands the
-request through our plugin hook (`append_prefill_hidden_states`) with stand-in
-scheduler objects laid out as SGLang 0.5.23's: a batch's rows in one flat tensor with
-offsets, a split prefill as one call per chunk (middle chunks with store=False).
+"""The sglang backend's failure handling, against a fake server on 127.0.0.1
+(tests/fake_sglang.py: stalls, HTTP errors, a missing plugin, rows out of order, a failing
+writer). The real server's features are checked in tests/test_sglang_live.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
+import socket
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from specforge_dspark.config.recipe import load_recipe, recipe_from_dict
-from specforge_dspark.engines.features import TargetGone
+from specforge_dspark.config.recipe import load_recipe
+from specforge_dspark.engines.features import TargetGone, TargetLost, TargetRefused
+from specforge_dspark.engines.served import ServedEngine
+from specforge_dspark.engines.server import EngineServer, launch_env
 from specforge_dspark.engines.sglang import launch_args, request_body
 from specforge_dspark.engines.sglang_plugin import append_prefill_hidden_states
+from specforge_dspark.engines.shm import SHM_DIR
 from specforge_dspark.training.stream import FeatureStream
-
-H, LAYERS = 128, [0, 1, 2]  # the tiny target's hidden size
-WRITE_DELAY_S = 0.5
-
-
-def fake_features(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deterministic bf16 'server' features: aux [n, 3H], last [n, H]."""
-    x = torch.tensor(ids, dtype=torch.float32)[:, None]
-    aux = x * 0.5 + torch.arange(3 * H, dtype=torch.float32)[None, :] * 1e-2
-    last = -x + torch.arange(H, dtype=torch.float32)[None, :] * 1e-3
-    return aux.bfloat16(), last.bfloat16()
-
-
-class Mode:
-    full = SimpleNamespace(is_full=lambda: True, is_last=lambda: False)
-
-
-class FakeServer:
-    """behaviour: ok | stall | down (stalls, health 503) | http500 | noplugin | chunked | gap
-    | late (replies first, writes WRITE_DELAY_S later: a TP rank that does not reply)"""
-
-    def __init__(self):
-        self.behaviour = "ok"
-        self.release = threading.Event()
-        self.bodies: list[dict] = []
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _reply(self, code: int, payload=None):
-                body = json.dumps(payload).encode() if payload is not None else b""
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self):
-                healthy = self.path == "/health_generate" and fake.behaviour != "down"
-                self._reply(200 if healthy else 503 if fake.behaviour == "down" else 404)
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                fake.bodies.append(body)
-                if fake.behaviour in ("stall", "down"):
-                    fake.release.wait(30)
-                if fake.behaviour == "http500":
-                    return self._reply(500, {"error": {"message": "boom"}})
-                if fake.behaviour == "late":  # the reply leaves before the write lands
-                    threading.Timer(WRITE_DELAY_S, fake.schedule, (body,)).start()
-                elif fake.behaviour != "noplugin":
-                    fake.schedule(body)
-                out = [
-                    {"text": "", "meta_info": {"id": r, "finish_reason": {"type": "length"}}}
-                    for r in body["rid"]
-                ]
-                self._reply(200, out)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def schedule(self, body: dict) -> None:
-        """Extend batches as SGLang runs them: flat rows, then the per-request handler.
-
-        chunked: every sequence is prefilled in two chunks, two batches (the first
-        with the middle chunks); gap: the second chunk claims to start one row late."""
-        seqs = body["input_ids"]
-        if self.behaviour not in ("chunked", "gap"):
-            self._extend(body["rid"], seqs, [(0, len(ids)) for ids in seqs], middle=False)
-            return
-        cut = [max(1, len(ids) // 2) for ids in seqs]
-        self._extend(body["rid"], seqs, [(0, c) for c in cut], middle=True)
-        late = 1 if self.behaviour == "gap" else 0
-        rest = [(c + late, len(ids)) for c, ids in zip(cut, seqs, strict=True)]
-        self._extend(body["rid"], seqs, rest, middle=False)
-
-    @staticmethod
-    def _extend(rids, seqs, spans, middle: bool) -> None:
-        feats = [fake_features(ids[lo:hi]) for ids, (lo, hi) in zip(seqs, spans, strict=True)]
-        out = SimpleNamespace(
-            hidden_states=torch.cat([a for a, _ in feats]),
-            last_hidden_states=torch.cat([h for _, h in feats]),
-        )
-        offset = 0
-        for rid, (lo, hi) in zip(rids, spans, strict=True):
-            req = SimpleNamespace(rid=rid, inflight_middle_chunks=int(middle), extend_end=hi)
-            offset = append_prefill_hidden_states(
-                None,
-                None,
-                req=req,
-                logits_output=out,
-                hidden_state_offset=offset,
-                capture_hidden_mode=Mode.full,
-                extend_input_len=hi - lo,
-                store=not middle,
-            )
-        assert offset == out.hidden_states.shape[0]
-
-    def recover(self):
-        self.behaviour = "ok"
-        self.release.set()
-
-    def close(self):
-        self.release.set()
-        self.httpd.shutdown()
+from tests.fake_sglang import FakeServer, Mode, S, fake_features, sglang_recipe
 
 
 @pytest.fixture()
@@ -143,27 +32,6 @@ def server():
     s = FakeServer()
     yield s
     s.close()
-
-
-def sglang_recipe(target_dir, url: str, **target):
-    return recipe_from_dict(
-        {
-            "target": {
-                "path": str(target_dir),
-                "backend": "sglang",
-                "prefetch": 2,
-                "timeout_s": 20,
-                "sglang": {"url": url, "startup_timeout_s": 5},
-            }
-            | target,
-            "draft": {"target_layer_ids": LAYERS, "num_target_layers": 4, "vocab_size": 1088},
-        }
-    )
-
-
-class S:
-    def __init__(self, sid, n):
-        self.sample_id, self.input_ids, self.loss_mask = sid, list(range(3, 3 + n)), [1] * n
 
 
 @pytest.mark.parametrize("behaviour", ["ok", "chunked", "late"])
@@ -234,15 +102,98 @@ def test_attached_server_that_stays_down_stops_the_run_naming_it(server, tiny_ta
     "behaviour, message",
     [
         ("http500", r"failed on batch \d+ .*HTTP 500"),
-        ("noplugin", r"answered batch \d+ .* but wrote no features within target.timeout_s=2s"),
+        (
+            "noplugin",
+            r"answered batch \d+ .* but wrote no features into slot .* within "
+            r"target.timeout_s=2s: it wrote features before",
+        ),
         ("gap", r"could not capture batch \d+ .*rows \[3, 5\) of 5 after only 2 were written"),
     ],
 )
 def test_server_failures_name_the_server_and_the_cause(server, tiny_target_dir, behaviour, message):
-    with FeatureStream(sglang_recipe(tiny_target_dir, server.url, timeout_s=2)) as stream:
+    recipe = sglang_recipe(tiny_target_dir, server.url, timeout_s=2, max_restarts=0)
+    with FeatureStream(recipe) as stream:
         server.behaviour = behaviour
         with pytest.raises(RuntimeError, match=rf"sglang server {server.url} {message}"):
             list(stream.iterate([[S(1, 5)]]))
+
+
+def test_a_writer_error_is_a_lost_server_named_from_its_ticket(server, tiny_target_dir):
+    """The writer fails inside the server (here it cannot copy the rows): the ticket says
+    so, and the trainer raises TargetLost naming the server, the slot and the reason, not
+    the "wrote no features" of a deadline ten minutes away."""
+    recipe = sglang_recipe(tiny_target_dir, server.url, timeout_s=600, max_restarts=0)
+    with FeatureStream(recipe) as stream:
+        server.behaviour = "broken"
+        with pytest.raises(TargetLost) as e:
+            list(stream.iterate([[S(1, 5)]]))
+    assert re.match(
+        rf"sglang server {server.url} could not write batch 0 \(sample ids \[1\]\), sequence 0 "
+        rf"into slot {SHM_DIR}/\S+: writer failed: NotImplementedError: .*meta",
+        str(e.value),
+    )
+
+
+def test_a_pool_fails_over_from_a_server_whose_writer_fails(tiny_target_dir):
+    """Two attached servers, one whose writer fails: its requests go to the other, each
+    in a fresh slot file, and every batch arrives once, in order, with its features."""
+    good, bad = FakeServer(), FakeServer()
+    try:
+        urls = [bad.url, good.url]
+        sglang = {"urls": urls, "startup_timeout_s": 5}
+        recipe = sglang_recipe(tiny_target_dir, "", sglang=sglang, restart_backoff_s=0.1)
+        recipe.target.timeout_s = 600
+        batches = [[S(i, 3 + i)] for i in range(1, 6)]
+        with FeatureStream(recipe) as stream:
+            bad.behaviour = "broken"
+            got = [(f.sample_ids, f.last_hidden.clone()) for f in stream.iterate(batches)]
+            restarts = stream.restarts
+        assert [ids for ids, _ in got] == [[s.sample_id] for [s] in batches]
+        for (_, last), [s] in zip(got, batches, strict=True):
+            assert torch.equal(last[0, : len(s.input_ids)], fake_features(s.input_ids)[1].float())
+        assert len(restarts) == 1 and "writer failed: NotImplementedError" in restarts[0]["error"]
+        assert len(bad.bodies) >= 2  # the probe, then the request it failed
+    finally:
+        good.close()
+        bad.close()
+
+
+class _Standin(ServedEngine):
+    """A started server (tests/standin_server.py) launched with an argument it refuses."""
+
+    engine, health_path = "sglang", "/health_generate"
+
+    def launch(self, log_path):
+        args = ["--port", str(self.recipe.target.sglang.port), "--bogus-flag"]
+        return EngineServer(sys.executable, "tests.standin_server", args, log_path, launch_env())
+
+
+def test_a_started_server_that_exits_before_its_first_answer_is_a_refusal(
+    tiny_target_dir, tmp_path, monkeypatch
+):
+    """Bad arguments (or an out-of-memory while loading): the server never answers once,
+    so the run is refused (TargetRefused, not the resumable TargetLost), with its log."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sglang = {"host": "127.0.0.1", "port": port, "startup_timeout_s": 60}
+    recipe = sglang_recipe(tiny_target_dir, "", sglang=sglang)
+    recipe.train.output_dir = str(tmp_path)
+    engine = _Standin(recipe, 0, 2, restarts=True)
+    try:
+        with pytest.raises(TargetRefused) as e:
+            engine.wait_ready()
+    finally:
+        engine.close()
+    message = str(e.value)
+    assert message.startswith(
+        f"sglang server http://127.0.0.1:{port} never answered once, so a retry would fail "
+        "the same way (check target.sglang.server_args, its memory, its install): sglang "
+        f"server http://127.0.0.1:{port} (pid "
+    )
+    assert f"died (exit code 2) during start-up; last log lines ({tmp_path}/sglang_" in message
+    assert "unrecognized arguments: --bogus-flag" in message
 
 
 def test_unreachable_server_fails_at_start_up(tiny_target_dir):

@@ -214,7 +214,7 @@ def test_inkling_matches_the_production_seed(tmp_path):
         "backend": "nccl",
         "zero_stage": 2,
         "precision": "bf16",
-        "timeout_s": 12000,
+        "timeout_s": 14400,
     }
     assert raw["train"]["grad_accum"] == 1
 

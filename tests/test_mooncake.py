@@ -21,6 +21,7 @@ import torch
 
 from specforge_dspark.config.recipe import RecipeError, recipe_from_dict
 from specforge_dspark.engines import mooncake
+from specforge_dspark.engines.features import TargetLost
 from specforge_dspark.engines.fp8_rows import FP8, dequantize, quantize
 from specforge_dspark.engines.mooncake import Exposer, Remote
 from specforge_dspark.engines.shm import DTYPE_CODES, ShmSlot
@@ -34,10 +35,10 @@ def _rows(n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, D + H, generator=torch.Generator().manual_seed(seed))
 
 
-def _write_from_elsewhere(location: str, calls: list[dict]) -> str:
-    env = {**os.environ, mooncake.HOST_ENV: "127.0.0.2", "PYTHONPATH": str(REPO)}  # this checkout
+def _write_from_elsewhere(location: str, calls: list[dict], version: str = "") -> str:
+    env = {**os.environ, mooncake.HOST_ENV: "127.0.0.2", "PYTHONPATH": str(REPO)}  # this tree
     cmd = [sys.executable, str(REPO / "tests" / "mooncake_writer.py"), location]
-    cmd += [json.dumps(calls), str(D), str(H)]
+    cmd += [json.dumps(calls), str(D), str(H)] + ([version] if version else [])
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stderr
@@ -103,6 +104,45 @@ def test_a_writer_on_another_address_fills_the_tickets_through_mooncake():
     assert not views.rows(2)[0].any()
     slot.close()
     assert slot.location == ""
+
+
+def test_a_writer_with_a_mooncake_older_than_0_3_12_fails_the_ticket_over_tcp():
+    """The server's environment holds Mooncake 0.3.11: the writer writes no rows and
+    fails the ticket naming the version it has and the one it needs."""
+    exposer = Exposer("http://127.0.0.2:1", "tcp")
+    slot = ShmSlot("mcold", aux_width=D, hidden=H, dtype=torch.float32, exposer=exposer)
+    views = slot.prepare([4])
+    code = DTYPE_CODES[torch.float32]
+    slot.write_ticket(0, Ticket(PENDING, 4, 0, *views.offsets(0), D, H, code, nonce=21))
+    call = {"op": "write", "ticket": 0, "nonce": 21, "row0": 0, "rows": 4, "seed": 5}
+    _write_from_elsewhere(slot.location, [call], version="0.3.11")
+    t = slot.read_ticket(0)
+    assert t.status == FAILED and not views.rows(0)[0].any()
+    assert t.error.startswith(
+        "the server's Mooncake (mooncake-transfer-engine-non-cuda 0.3.11) is older than "
+        "0.3.12, the oldest whose tcp transport writes features: pip install"
+    )
+    slot.close()
+
+
+def test_a_late_writer_to_a_renewed_slot_changes_none_of_its_bytes():
+    """The trainer gave up on a request and re-sent it: the slot's next request got a new
+    registration. A writer of the old request, still holding the old location, writes: not
+    a byte of the slot's live mapping changes, and the trainer process stays up."""
+    exposer = Exposer("http://127.0.0.2:1", "tcp")
+    slot = ShmSlot("mcrenew", aux_width=D, hidden=H, dtype=torch.float32, exposer=exposer)
+    views = slot.prepare([4])
+    code = DTYPE_CODES[torch.float32]
+    slot.write_ticket(0, Ticket(PENDING, 4, 0, *views.offsets(0), D, H, code, nonce=31))
+    old = slot.location
+    views = slot.prepare([4], fresh=True)
+    slot.write_ticket(0, Ticket(PENDING, 4, 0, *views.offsets(0), D, H, code, nonce=32))
+    assert slot.location != old and len(slot.retired) == 1
+    before = bytes(slot.buf)
+    call = {"op": "write", "ticket": 0, "nonce": 31, "row0": 0, "rows": 4, "seed": 6}
+    _write_from_elsewhere(old, [call])
+    assert bytes(slot.buf) == before
+    slot.close()
 
 
 def test_bytes_outside_the_slot_are_refused_before_any_transfer():
@@ -171,9 +211,13 @@ def test_a_server_that_writes_nothing_is_told_where_it_had_to_write():
     slot.write_ticket(0, Ticket(PENDING, 4, 0, *views.offsets(0), D, H, code, nonce=5))
     engine = ServedEngine.__new__(ServedEngine)
     engine.engine, engine.url, engine.keeper, engine.timeout_s = "sglang", "http://x:1", None, 1.0
-    with pytest.raises(RuntimeError) as e:
+    engine.pid_file, engine._server_pid, engine._wrote = None, None, True
+    with pytest.raises(TargetLost) as e:
         engine._wait_ticket(slot, 0, 4, 0.0, "batch 3")
-    assert "answered batch 3 but wrote no features within target.timeout_s=1s" in str(e.value)
+    assert (
+        f"answered batch 3 but wrote no features into slot {slot.location} within "
+        "target.timeout_s=1s: it wrote features before" in str(e.value)
+    )
     assert f"writes to this rank at {exposer.peer} (tcp)" in str(e.value)
     assert "target.mooncake.host" in str(e.value)
     slot.close()

@@ -211,3 +211,41 @@ def test_dry_run_bad_recipe_is_one_message_not_a_traceback(tmp_path):
     assert p.returncode == 2
     assert "Traceback" not in p.stderr
     assert "unknown key objective.num_anchor; did you mean objective.num_anchors?" in p.stderr
+
+
+def _sglang(**over) -> dict:
+    target = {"backend": "sglang", "max_restarts": 3, "restart_backoff_s": 1.0, "timeout_s": 100}
+    target["sglang"] = {"startup_timeout_s": 600}
+    for key, value in over.items():
+        section, _, name = key.partition("__")
+        (target if section == "target" else target.setdefault(section, {}))[name] = value
+    return target
+
+
+def test_restarts_that_may_outlast_dist_timeout_are_refused_naming_the_numbers():
+    # 100 (detection) + 3 x (600 + 100 for the probe) + backoff 1 + 2 + 4 = 2207
+    with pytest.raises(RecipeError) as e:
+        recipe_from_dict({"target": _sglang(), "dist": {"timeout_s": 2206}})
+    assert (
+        "dist.timeout_s=2206 is shorter than a lost server may keep its peers waiting in a "
+        "collective: target.timeout_s=100 (detection) + target.max_restarts=3 x "
+        "(target.sglang.startup_timeout_s=600 + target.timeout_s=100 for the probe) + backoff "
+        "7 (target.restart_backoff_s) = 2207s; raise dist.timeout_s to at least 2207, or lower "
+        "target.sglang.startup_timeout_s, target.timeout_s or target.max_restarts"
+    ) in str(e.value)
+    recipe_from_dict({"target": _sglang(), "dist": {"timeout_s": 2207}})  # fits exactly
+    recipe_from_dict({"target": _sglang(target__max_restarts=0), "dist": {"timeout_s": 3}})
+    attached = _sglang(sglang__url="http://127.0.0.1:1")  # not ours to restart
+    recipe_from_dict({"target": attached, "dist": {"timeout_s": 3}})
+    vllm = {"backend": "vllm", "vllm": {"startup_timeout_s": 600}}  # fails instead
+    recipe_from_dict({"target": vllm, "dist": {"timeout_s": 3}})
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_shipped_served_recipe_fits_a_lost_server_in_dist_timeout(path):
+    r = load_recipe(path)  # loading runs the check; this restates it independently
+    if r.target.backend == "sglang" and not r.target.sglang.url:
+        t, s = r.target, r.target.sglang
+        worst = t.timeout_s + t.max_restarts * (s.startup_timeout_s + t.timeout_s)
+        assert worst + t.restart_backoff_s * (2**t.max_restarts - 1) <= r.dist.timeout_s
+        assert s.startup_timeout_s >= 600, f"{path.name}: keep a long start-up"

@@ -7,7 +7,11 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
+import train
+from specforge_dspark.engines.features import TargetRefused
 from specforge_dspark.training import run_status
 from specforge_dspark.training.run_status import (
     EXIT_CODES,
@@ -172,3 +176,28 @@ def _wait_for(cond, hang_s: float = 60.0) -> int:
         polls += 1
         time.sleep(0.01)
     return polls
+
+
+def test_a_target_server_that_never_served_ends_the_run_refused(tmp_path, monkeypatch):
+    """TargetRefused (a started server that exited before its first answer) from inside
+    the run: refused, exit code 2, not resumable, the server's log tail in the detail."""
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny_cpu.yaml"
+    closed = []
+    stream = SimpleNamespace(close=lambda: closed.append(True))
+
+    def build(recipe, resume, status):
+        status.start()
+        return SimpleNamespace(stream=stream)
+
+    def never_served(run, stop_at_step=0):
+        raise TargetRefused("sglang server died (exit code 1) during start-up; log: OOM")
+
+    monkeypatch.setattr(train, "build", build)
+    monkeypatch.setattr(train, "train", never_served)
+    assert train.main(["--recipe", str(recipe), f"train.output_dir={tmp_path}"]) == 2
+    s = _status(tmp_path)
+    assert (s["status"], s["exit_code"], s["resumable"]) == ("refused", 2, False)
+    assert (
+        s["detail"] == "TargetRefused: sglang server died (exit code 1) during start-up; log: OOM"
+    )
+    assert closed == [True]  # the target stops on this path too

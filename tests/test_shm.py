@@ -1,7 +1,9 @@
 """Shared-memory slots: a /dev/shm too small for the run fails at start-up, naming the
 size it needs and how to raise it; slots grow by doubling but never past the run's
 largest request. Producers map a slot once and keep it (SlotMaps), mapping it again when
-the trainer replaced the file. A late writer (stale nonce) writes nothing. Without CUDA
+the trainer replaced the file. A late writer (stale nonce) writes nothing, and one already
+past its nonce check reaches only the file (or Mooncake registration) the re-sent request
+no longer uses. Without CUDA
 nothing is page-locked and TargetFeatures.to is a plain copy; a failed cudaHostRegister
 (mocked) leaves no CUDA error behind; with CUDA (skipped here) the copy is asynchronous
 and the slot waits for it before it is rewritten. Budget and ragged layout:
@@ -9,7 +11,7 @@ test_slot_budget.py."""
 
 from __future__ import annotations
 
-import time
+import os
 from collections import namedtuple
 
 import pytest
@@ -18,10 +20,10 @@ import torch
 from specforge_dspark.config.recipe import recipe_from_dict
 from specforge_dspark.engines import features, pinning, shm, slot_budget
 from specforge_dspark.engines.features import PaddedBatch, TargetFeatures
-from specforge_dspark.engines.served import ServedEngine, issue_tickets
+from specforge_dspark.engines.request import issue_tickets
 from specforge_dspark.engines.shm import DTYPE_CODES, ShmSlot, SlotLayout
 from specforge_dspark.engines.slot_budget import make_slots
-from specforge_dspark.engines.slot_writer import SlotMaps, fail, write_features
+from specforge_dspark.engines.slot_writer import SlotAccess, SlotMaps, fail, write_features
 from specforge_dspark.engines.tickets import DONE, PENDING, Ticket
 
 Usage = namedtuple("Usage", "total used free")
@@ -123,25 +125,68 @@ def test_a_late_writer_after_a_timeout_and_slot_reuse_writes_nothing(monkeypatch
         slot.close()
 
 
-def test_the_trainer_never_takes_a_late_writers_answer_for_the_reissued_ticket():
-    """A late writer's ticket record that lands in the window between its nonce check and
-    its write (DONE, with the old nonce) is not this request's answer: the wait times out."""
-    slot = ShmSlot("noncewait", aux_width=6, hidden=4, dtype=torch.float32)
-    ids = torch.ones(1, 3, dtype=torch.long)
-    batch = PaddedBatch([1], ids, ids, torch.tensor([3]))
-    engine = object.__new__(ServedEngine)  # only what _wait_ticket reads
-    engine.keeper, engine.url, engine.timeout_s = None, "http://stand-in", 0.05
+def test_a_late_writer_cannot_change_a_byte_of_the_slot_the_resent_request_uses(monkeypatch):
+    """A writer paused inside its copy (slot mapped, ticket read, nonce checked) resumes
+    after the trainer gave up and re-sent the request: the re-send went to a fresh file
+    (`fresh`, what ServedEngine.submit asks for a slot not taken back), so the writer's
+    rows and ticket land only in the old one."""
+    monkeypatch.setattr("specforge_dspark.engines.slot_writer.SLOTS", SlotMaps())
+    slot = ShmSlot("latewriter", aux_width=6, hidden=4, dtype=torch.float32)
+    ids = torch.ones(2, 3, dtype=torch.long)
+    batch = PaddedBatch([1, 2], ids, ids, torch.tensor([3, 3]))
     try:
         issue_tickets(slot, batch)
-        late = slot.read_ticket(0)
-        issue_tickets(slot, batch)
-        late.status, late.written = DONE, 3
-        off = slot.ticket_offset(0)
-        slot.buf[off : off + len(late.pack())] = late.pack()  # not through write_ticket
-        with pytest.raises(RuntimeError, match="wrote no features"):
-            engine._wait_ticket(slot, 0, 3, time.monotonic() + 0.05, "batch 0")
+        old = str(slot.path)
+        paused = SlotAccess(old)  # the writer, paused after its nonce check
+        t = paused.ticket(1)
+        views = issue_tickets(slot, batch, fresh=True)  # the re-send
+        assert str(slot.path) != old and not os.path.exists(old)
+        issued, before = slot.read_ticket(1), bytes(slot.buf)
+        regions = [(t.aux_off, torch.float32, (3, 6)), (t.last_off, torch.float32, (3, 4))]
+        with paused.regions(regions) as rows:
+            for r in rows:
+                r.fill_(9.0)
+        t.status, t.written = DONE, 3
+        paused.put_ticket(1, t)
+        assert bytes(slot.buf) == before and slot.read_ticket(1) == issued
+        assert views.aux.eq(0).all() and paused.ticket(1).status == DONE  # it went to the old
     finally:
         slot.close()
+
+
+class _Exposer:
+    """Stand-in for mooncake.Exposer: which mappings are registered, by location."""
+
+    def __init__(self):
+        self.registered: dict[str, object] = {}
+
+    def expose(self, buf) -> str:
+        location = f"mooncake://tcp@127.0.0.1:1/{pinning.buffer_address(buf):x}/{len(buf)}"
+        self.registered[location] = buf
+        return location
+
+    def withdraw(self, location: str) -> None:
+        del self.registered[location]
+
+
+def test_a_renewed_mooncake_slot_withdraws_the_old_registration_and_keeps_its_mapping():
+    """No late transfer lands in memory the slot uses again: the old registration is
+    withdrawn at once, its mapping kept (so its addresses are not handed out again) until
+    close."""
+    exposer = _Exposer()
+    slot = ShmSlot("renew", aux_width=6, hidden=4, dtype=torch.float32, exposer=exposer)
+    try:
+        slot.prepare([3])
+        old, old_buf = slot.location, slot.buf
+        slot.prepare([3], fresh=True)
+        assert list(exposer.registered) == [slot.location] and slot.location != old
+        assert slot.retired == [old_buf] and not old_buf.closed
+        old_buf[0:4] = b"late"  # a late transfer into the retired mapping harms nothing
+        slot.prepare([3])  # taken back: the same file
+        assert list(exposer.registered) == [slot.location]
+    finally:
+        slot.close()
+    assert not exposer.registered and old_buf.closed and not slot.retired
 
 
 class _Runtime:

@@ -18,7 +18,7 @@ import torch
 
 from specforge_dspark.config.recipe import recipe_from_dict
 from specforge_dspark.engines.features import PaddedBatch
-from specforge_dspark.engines.served import issue_tickets
+from specforge_dspark.engines.request import issue_tickets
 from specforge_dspark.engines.shm import SlotLayout
 from specforge_dspark.engines.slot_budget import job_id, make_slots, request_budget
 from specforge_dspark.engines.slot_writer import SlotMaps, write_features

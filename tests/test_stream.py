@@ -24,7 +24,7 @@ from specforge_dspark.engines.features import (
 )
 from specforge_dspark.engines.hf import HFTarget, worker_threads
 from specforge_dspark.engines.offline import ShardWriter, target_fingerprint
-from specforge_dspark.engines.shm import FILE_PREFIX, SHM_DIR
+from specforge_dspark.engines.shm import FILE_PREFIX, SHM_DIR, ShmSlot
 from specforge_dspark.engines.slot_budget import sweep_stale_slots
 from specforge_dspark.training.stream import FeatureStream
 
@@ -248,3 +248,21 @@ def test_stale_slots_of_dead_processes_of_this_job_only_are_swept():
     finally:
         for p in files.values():
             p.unlink(missing_ok=True)
+
+
+def test_the_sweep_leaves_a_locked_slot_of_a_dead_looking_process_alone():
+    """Two containers with the same host name and output_dir share /dev/shm: a live slot
+    of the other (its pid dead from here) holds a shared flock, as every ShmSlot does, and
+    is not swept; once nothing holds it, it is."""
+    job = "cccc000003"
+    slot = ShmSlot("r0s0", aux_width=6, hidden=4, dtype=torch.float32, job=job)
+    slot.prepare([3])
+    other = SHM_DIR / f"{FILE_PREFIX}{job}-999999999-r0s0-live"  # above any pid_max
+    os.rename(slot.path, other)  # the other container's live slot: its lock goes with it
+    try:
+        assert sweep_stale_slots(job) == [] and other.exists()
+        slot.close()  # the slot ends: its lock too
+        assert sweep_stale_slots(job) == [other] and not other.exists()
+    finally:
+        slot.close()
+        other.unlink(missing_ok=True)

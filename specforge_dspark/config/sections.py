@@ -42,8 +42,9 @@ class TargetRecipe:
     """A dead or hung hf worker or SGLang server (started by the run) is restarted and
     its in-flight requests re-sent, at most this many times in a row (a request answered
     in between resets the count); past that the run fails naming it. 0 = fail at once.
-    Each SGLang restart may take target.sglang.startup_timeout_s: their sum (+ backoff)
-    must fit in dist.timeout_s (config/validate.py)."""
+    Each SGLang restart may take target.sglang.startup_timeout_s and its probe
+    target.timeout_s: with the detection's target.timeout_s, their sum (+ backoff) must
+    fit in dist.timeout_s (config/validate.py)."""
     restart_backoff_s: float = 1.0
     """Wait before the k-th restart in a row: restart_backoff_s * 2**(k-1) seconds."""
     offline_dir: str = ""
@@ -219,9 +220,10 @@ class DistRecipe:
     timeout_s: float = 7200.0
     """Process-group timeout: a collective waiting longer fails the run. Start-up waits
     on the target servers separately (their startup_timeout_s; distributed.py). Mid-run,
-    peers wait in a collective while a rank's SGLang server restarts, so a recipe whose
-    target.max_restarts x target.sglang.startup_timeout_s (+ backoff) exceeds this is
-    refused at load (config/validate.py); the default covers the default 3 x 1800 s."""
+    peers wait in a collective while a rank's SGLang server is lost and restarts, so a
+    recipe whose target.timeout_s + target.max_restarts x (target.sglang.startup_timeout_s
+    + target.timeout_s) (+ backoff) exceeds this is refused at load (config/validate.py);
+    the default covers the defaults' 300 + 3 x (1800 + 300) s."""
 
 
 @dataclass

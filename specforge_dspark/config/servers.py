@@ -31,8 +31,9 @@ class SGLangServer:
     startup_timeout_s: float = 1800.0
     """Longest wait for the server to answer: at start-up, after a restart, and for an
     attached server (url) to come back after a failure before the run stops. A server
-    the run starts: target.max_restarts x this (+ backoff) must fit in dist.timeout_s,
-    the longest the other ranks wait in a collective meanwhile (config/validate.py)."""
+    the run starts: target.timeout_s + target.max_restarts x (this + target.timeout_s)
+    (+ backoff) must fit in dist.timeout_s, the longest the other ranks wait in a
+    collective meanwhile (config/validate.py)."""
     server_args: dict[str, Any] = field(default_factory=dict)
     """Extra `sglang.launch_server` arguments by ServerArgs field name (tp_size, ...)."""
 

@@ -199,15 +199,17 @@ RESTARTED_SERVERS = ("sglang",)
 
 
 def restart_budget_s(r: Recipe) -> float:
-    """Longest a rank may spend bringing its server back while its peers wait in a
-    collective: target.max_restarts restarts in a row, each after its backoff
-    (target.restart_backoff_s * 2**(k-1)) and within target.<engine>.startup_timeout_s.
-    0 when the run restarts no server (another backend, an attached url, max_restarts 0)."""
+    """Longest a rank may spend on a lost server while its peers wait in a collective:
+    target.timeout_s to see it lost, then target.max_restarts restarts in a row, each
+    after its backoff (target.restart_backoff_s * 2**(k-1)), within
+    target.<engine>.startup_timeout_s to answer, then the probe request (within
+    target.timeout_s). 0 when the run restarts no server (another backend, an attached
+    url, max_restarts 0)."""
     g = r.target
-    if g.backend not in RESTARTED_SERVERS or attached(g):
+    if g.backend not in RESTARTED_SERVERS or attached(g) or g.max_restarts == 0:
         return 0.0
-    n = g.max_restarts
-    return n * getattr(g, g.backend).startup_timeout_s + g.restart_backoff_s * (2**n - 1)
+    n, startup = g.max_restarts, getattr(g, g.backend).startup_timeout_s
+    return g.timeout_s + n * (startup + g.timeout_s) + g.restart_backoff_s * (2**n - 1)
 
 
 def restart_budget_problem(r: Recipe) -> str:
@@ -216,12 +218,14 @@ def restart_budget_problem(r: Recipe) -> str:
     if budget <= r.dist.timeout_s:
         return ""
     key, n = f"target.{g.backend}.startup_timeout_s", g.max_restarts
+    startup = getattr(g, g.backend).startup_timeout_s
     return (
-        f"dist.timeout_s={r.dist.timeout_s:g} is shorter than the server restarts its peers "
-        f"may wait for in a collective: target.max_restarts={n} x "
-        f"{key}={getattr(g, g.backend).startup_timeout_s:g} + backoff "
-        f"{g.restart_backoff_s * (2**n - 1):g} (target.restart_backoff_s) = {budget:g}s; "
-        f"raise dist.timeout_s to at least {budget:g}, or lower {key} or target.max_restarts"
+        f"dist.timeout_s={r.dist.timeout_s:g} is shorter than a lost server may keep its "
+        f"peers waiting in a collective: target.timeout_s={g.timeout_s:g} (detection) + "
+        f"target.max_restarts={n} x ({key}={startup:g} + target.timeout_s={g.timeout_s:g} "
+        f"for the probe) + backoff {g.restart_backoff_s * (2**n - 1):g} "
+        f"(target.restart_backoff_s) = {budget:g}s; raise dist.timeout_s to at least "
+        f"{budget:g}, or lower {key}, target.timeout_s or target.max_restarts"
     )
 
 

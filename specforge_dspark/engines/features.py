@@ -60,6 +60,12 @@ class TargetGone(TargetLost):
     answer again in time): `restart()` raises it, FeatureStream does not try again."""
 
 
+class TargetRefused(RuntimeError):
+    """The target never served once: its server exited or hung before its first answer
+    (bad arguments, out of memory while loading) or its first request wrote no features.
+    A retry would be refused again: the run ends `refused` (training/run_status.py)."""
+
+
 @dataclass
 class Sample:
     """One tokenised training sequence (the data pipeline's objects duck-type this)."""

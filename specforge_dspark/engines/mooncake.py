@@ -23,6 +23,7 @@ writer runs in the engine's own environment, installed there with `--no-deps`.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import socket
@@ -44,6 +45,30 @@ INSTALL_HINT = (
     "(apt-get install -y libibverbs1 librdmacm1)"
 )
 HOST_ENV, DEVICE_ENV = "SFDSPARK_MOONCAKE_HOST", "SFDSPARK_MOONCAKE_DEVICE"
+TCP_MIN_VERSION = (0, 3, 12)
+"""The oldest Mooncake whose TCP transport a writer uses (the version tested is pinned in
+pyproject.toml); an older one in the server's environment fails each ticket, naming it."""
+
+
+def version_problem(protocol: str) -> str:
+    """Why this environment's Mooncake may not write over `protocol` ("" when it may):
+    over tcp it must be at least TCP_MIN_VERSION (by its installed distribution's version)."""
+    if protocol != "tcp":
+        return ""
+    want = ".".join(map(str, TCP_MIN_VERSION))
+    found = [
+        (name, importlib.metadata.version(name))
+        for name in importlib.metadata.packages_distributions().get("mooncake", [])
+    ]
+    for _, version in found:
+        if tuple(int(n) for n in re.findall(r"\d+", version)[:3]) >= TCP_MIN_VERSION:
+            return ""
+    have = ", ".join(f"{name} {version}" for name, version in found) or "no version found"
+    return (
+        f"the server's Mooncake ({have}) is older than {want}, the oldest whose tcp transport "
+        f"writes features: {INSTALL_HINT}"
+    )
+
 
 Region = tuple[int, torch.dtype, tuple[int, ...]]
 """Bytes of a slot as a tensor: (byte offset, dtype, shape)."""
@@ -169,10 +194,12 @@ _STAGING = _Staging()
 class RemoteSlot:
     """Writer side: a trainer's slot reached through Mooncake (`location` from a request).
     `read` and `write` move bytes at offsets of the slot; RuntimeError on a failed
-    transfer or an offset outside it."""
+    transfer or an offset outside it. `refusal`: why this environment's Mooncake must not
+    write rows here ("" when it may; the ticket may still be failed with it)."""
 
     def __init__(self, remote: Remote):
         self.remote = remote
+        self.refusal = version_problem(remote.protocol)
         peer_host = remote.peer.rpartition(":")[0]
         host = os.environ.get(HOST_ENV) or local_address(peer_host)
         self.engine = transfer_engine(host, remote.protocol, os.environ.get(DEVICE_ENV, ""))

@@ -12,17 +12,19 @@ base_gpu_id + i x (tp x dp x pp), or on the CPU engine its share of the cores (C
 Balancing: each request goes to the live server with the fewest outstanding tokens
 (its requests sent and not yet taken back), ties to the one listed first.
 
-A lost server: the member whose request failed (TargetLost: unreachable; TimeoutError:
-no answer within target.timeout_s) is dropped by `restart()`, which the stream calls
-before it re-sends its pending requests in order (training/stream.py); a request still in
-flight on a live server is not sent twice (`submit` skips it), those of the lost server
-go to the others (and their futures on the lost one are dropped), so the rank trains
-every sample once, in order. A lost server is released (a started one killed if hung,
-for its keeper to start again) and rejoins once it answers (looked at every READMIT_S,
-no probe: the same command, or the same attached server, came back). Once every server
-is lost the run waits for the first lost one as a single server's run does: a started
-one within target.max_restarts, an attached one within startup_timeout_s, then stops
-(TargetGone, resumable: run_status.json) naming it.
+A lost server: the member whose request failed (TargetLost: unreachable, gone, its writer
+failed, no features by the deadline; TimeoutError: no answer within target.timeout_s) is
+dropped by `restart()`, which the stream calls before it re-sends its pending requests
+in order (training/stream.py); a request still in flight on a live server is not sent
+twice (`submit` skips it), those of the lost server go to the others (their futures on
+the lost one dropped), each in a fresh slot file or registration (served.py `submit`),
+so the rank trains every sample once, in order and never from a late write of the lost
+server. A lost server is released (a started one killed if hung, for its keeper to start
+again) and rejoins once it answers (looked at every READMIT_S, no probe: the same
+command, or the same attached server, came back). Once every server is lost the run
+waits for the first lost one as a single server's run does: a started one within
+target.max_restarts, an attached one within startup_timeout_s, then stops (TargetGone,
+resumable: run_status.json) naming it.
 
 One model: every member must serve what the first serves (the engine's `identity`:
 SGLang's model path, dtype and quantization from /server_info), checked when the pool
@@ -216,6 +218,7 @@ class ServerPool:
                 lost.futures.pop(seq, None)  # its reply, if any, is no longer awaited
             lost.release()  # a hung started one is killed: its keeper starts it again
             self.resting.append(lost)
+            self._look_at = time.monotonic() + READMIT_S  # not back before it had the time
             _say(
                 f"[rank {self.rank}] {lost.name} is lost: dropped from {self.key} until it "
                 f"answers again; its {len(moved)} request(s) in flight go to the "

@@ -15,7 +15,7 @@ group is gone, however it went. Not PR_SET_PDEATHSIG on the server: that fires w
 *thread* that forked it exits, and the keeper restarts servers from a thread.
 
 Run by path with -I (stdlib only, no package import: no torch), so it starts in ~50 ms.
-`group_running` and `kill_group` are the /proc helpers the trainer side uses too.
+`group_running`, `kill_group` and `server_gone` are the /proc helpers the trainer side uses too.
 """
 
 from __future__ import annotations
@@ -43,6 +43,18 @@ def group_running(pgid: int) -> bool:
         if int(fields[2]) == pgid and fields[0] != "Z":
             return True
     return False
+
+
+def server_gone(pid: int | None, old: int, look_at_group: bool) -> str:
+    """Why the server of pid `old` that requests went to is gone ("" while it serves):
+    `pid`, the pid its file names now, is another one (its keeper started a new server),
+    or, with `look_at_group`, its process group has no live process (a rank that did not
+    start it, so cannot wait for it as its parent)."""
+    if pid != old:
+        return f"was replaced by pid {pid}"
+    if look_at_group and not group_running(old):
+        return "is gone: its process group has no live process"
+    return ""
 
 
 def kill_group(pgid: int, wait_s: float = 10.0) -> None:

@@ -19,6 +19,15 @@ file); the keeper of the rank that started it starts it again on the same port; 
 rank waits until it answers (`target.<engine>.startup_timeout_s`). Attached servers are
 not ours: the trainer waits for them to answer again, or stops with the error that ended
 the wait. An engine whose servers are not restarted sets `restart = None`.
+
+What counts as a lost server (TargetLost: restart, or failover in a pool.py pool): no
+connection, its process gone (exited; for a rank that did not start it, its pid file
+names another pid or its process group has no live process), a ticket its writer failed
+(tickets.WRITER_FAILED), or no features by the deadline (at least WRITE_GRACE_S after a
+reply). No reply by the deadline is a TimeoutError, handled alike. A request the server
+or its writer refused stops the run (RuntimeError); a server that never served once ends
+it refused (TargetRefused). A slot whose request was given up is renewed before its next
+request (`submit`), so a late writer never touches what a later request reads.
 """
 
 from __future__ import annotations
@@ -39,9 +48,18 @@ from specforge_dspark.engines.features import (
     TargetFeatures,
     TargetGone,
     TargetLost,
+    TargetRefused,
     read_target_dims,
 )
 from specforge_dspark.engines.mooncake import Exposer
+from specforge_dspark.engines.reaper import server_gone
+from specforge_dspark.engines.request import (
+    LATE_HINT,
+    check_reply,
+    issue_tickets,
+    reach_hint,
+    slot_features,
+)
 from specforge_dspark.engines.server import (
     EngineServer,
     ServerKeeper,
@@ -51,18 +69,22 @@ from specforge_dspark.engines.server import (
     pid_file_current,
     read_pid,
     say,
+    tail,
 )
-from specforge_dspark.engines.shm import DTYPE_CODES, ShmSlot, SlotViews
+from specforge_dspark.engines.shm import ShmSlot, SlotViews
 from specforge_dspark.engines.slot_budget import (
     job_id,
     make_slots,
     sweep_stale_slots,
     wire_dtype,
 )
-from specforge_dspark.engines.tickets import DONE, FAILED, PENDING, Ticket, new_nonce
+from specforge_dspark.engines.tickets import DONE, FAILED, WRITER_FAILED
 
 POLL_S = 0.2  # how often a wait looks at the server and the tickets
 HEALTH_POLL_S = 0.5
+WRITE_GRACE_S = 30.0
+"""After a reply, the writes get at least min(this, target.timeout_s) more (a reply just
+before the deadline still leaves the writer rank time: under TP another rank writes)."""
 
 
 class ServedEngine:
@@ -108,9 +130,9 @@ class ServedEngine:
                 None,
                 exposer,
             )
-            self.slot_busy: list[Future | None] = [None] * num_slots
+            self.slot_open = [False] * num_slots  # a request there not taken back
         else:
-            self.slots, self.slot_busy = shared.slots, shared.slot_busy
+            self.slots, self.slot_open = shared.slots, shared.slot_open
         self.futures: dict[int, Future] = {}
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         out = Path(recipe.train.output_dir)
@@ -119,10 +141,10 @@ class ServedEngine:
         self.pid_file = None if section.url else out / f"{stem}_rank{node}.pid"
         self.restarts = restarts
         self.keeper: ServerKeeper | None = None
+        self.log_path = None if section.url else out / f"{stem}_rank{node}.log"
         if self.pid_file is not None and local_rank == 0:
-            log = out / f"{stem}_rank{rank}.log"
             self.keeper = ServerKeeper(
-                lambda: self.launch(log),
+                lambda: self.launch(self.log_path),
                 self.pid_file,
                 self.healthy,
                 recipe,
@@ -133,6 +155,8 @@ class ServedEngine:
         self._ready = False
         self._server_pid: int | None = None  # the server the requests in flight went to
         self._failure = ""  # the first line of the last failed request's error
+        self._wrote = False  # whether this server ever wrote a request's features
+        self._group_look_at = 0.0  # when _check_server next looks at the process group
 
     # ------------------------------------------------------------ what an engine adds
 
@@ -171,16 +195,51 @@ class ServedEngine:
         return read_pid(self.pid_file) if self.pid_file else None
 
     def _check_server(self, what: str) -> None:
+        """TargetLost when the server the requests went to is gone: the one this rank
+        started exited; or, from the pid file (every POLL_S), the node's server was
+        replaced (another pid) or its process group is gone (a rank that did not start it;
+        at the first start too, so it need not wait for startup_timeout_s)."""
         code = self.server.exit_code() if self.server else None
         if code is not None:
             raise TargetLost(
                 f"{self.name} died (exit code {code}) during {what}; last log lines "
                 f"({self.server.log_path}):\n{self.server.tail()}"
             )
+        old, now = self._server_pid, time.monotonic()
+        if self.pid_file is None or now < self._group_look_at:
+            return
+        self._group_look_at = now + POLL_S
+        if old is None:  # the first start: another rank's server that exits fails it too
+            pid = self._current_pid() if pid_file_current(self.pid_file) else None
+            if self.server is None and pid is not None and not group_running(pid):
+                raise TargetLost(f"{self.engine} server {self.url} (pid {pid}) exited in {what}")
+            return
+        gone = server_gone(self._current_pid(), old, self.server is None)
+        if gone:
+            raise TargetLost(f"{self.engine} server {self.url} (pid {old}) {gone} during {what}")
 
     def wait_ready(self) -> None:
+        """Until the server answers its health URL, then one probe request through the
+        whole path. TargetRefused when it never served once (a started server that exits
+        or does not answer before its first answer; any server whose probe fails): a
+        retry of the run would fail the same way."""
         if self._ready:
             return
+        try:
+            self._answer_probe()
+        except (TargetLost, TimeoutError) as e:
+            if self._wrote or (self.pid_file is None and not self._ready):
+                raise  # it served before (a restart), or an attached server is not up yet
+            why = str(e)
+            if self.log_path and str(self.log_path) not in why:  # the log says why
+                why += f"; last log lines ({self.log_path}):\n{tail(self.log_path)}"
+            raise TargetRefused(
+                f"{self.engine} server {self.url} never answered once, so a retry would fail "
+                f"the same way (check target.{self.engine}.server_args, its memory, its "
+                f"install): {why}"
+            ) from e
+
+    def _answer_probe(self) -> None:
         limit = self.startup_timeout_s
         deadline = time.monotonic() + limit
         while not (pid_file_current(self.pid_file) and self.healthy()):
@@ -248,36 +307,39 @@ class ServedEngine:
     # ------------------------------------------------------------------ requests
 
     def submit(self, seq: int, batch: PaddedBatch) -> None:
+        """Send batch `seq` through slot seq % slots. A slot whose last request was not
+        taken back (the trainer gave up on it: a lost server, a re-send) is renewed first
+        (shm.ShmSlot.prepare fresh): a late writer of that request reaches only the old
+        file or registration, never this request's rows or tickets."""
         index = seq % len(self.slots)
-        busy = self.slot_busy[index]
-        if busy is not None:  # an abandoned request may still write here: let it finish
-            try:
-                busy.result(timeout=self.timeout_s)
-            except Exception:
-                pass
         slot = self.slots[index]
-        issue_tickets(slot, batch)
-        fut = self.post(seq, slot, batch)
-        self.futures[seq] = fut
-        self.slot_busy[index] = fut
+        issue_tickets(slot, batch, fresh=self.slot_open[index])
+        self.slot_open[index] = True
+        self.futures[seq] = self.post(seq, slot, batch)
 
     def result(self, seq: int, batch: PaddedBatch, deadline: float) -> TargetFeatures:
+        """Batch `seq`'s features: its reply by `deadline`, then its tickets (by the
+        deadline, or WRITE_GRACE_S after a late reply). TargetLost (the server is lost:
+        gone, its writer failed, no features) or TimeoutError (no reply) are the stream's
+        to restart or fail over; RuntimeError when the server refused the request."""
         self.wait_ready()
         what = "the start-up probe" if seq < 0 else f"batch {seq} (sample ids {batch.sample_ids})"
         try:
             reply = self._wait_reply(self.futures.pop(seq), deadline, what)
+            if self.keeper is not None:
+                self.keeper.answered()
+            check_reply(reply, self.name, what)
+            slot = self.slots[seq % len(self.slots)]
+            views = slot.views(batch.lengths.tolist())
+            deadline = max(deadline, time.monotonic() + min(self.timeout_s, WRITE_GRACE_S))
+            # the reply is no proof of the write: under TP any rank may write, rank 0 replies
+            for b, n in enumerate(views.lengths):
+                self._wait_ticket(slot, b, n, deadline, f"{what}, sequence {b}")
+                self.finish(views, b, n)
         except (TargetLost, TimeoutError) as e:
             self._failure = str(e).splitlines()[0]
             raise
-        if self.keeper is not None:
-            self.keeper.answered()
-        check_reply(reply, self.name, what)
-        slot = self.slots[seq % len(self.slots)]
-        views = slot.views(batch.lengths.tolist())
-        # the reply is no proof of the write: under TP any rank may write, rank 0 replies
-        for b, n in enumerate(views.lengths):
-            self._wait_ticket(slot, b, n, deadline, f"{what}, sequence {b}")
-            self.finish(views, b, n)
+        self._wrote, self.slot_open[seq % len(self.slots)] = True, False
         return slot_features(views, batch, self.dtype)
 
     def _wait_reply(self, fut: Future, deadline: float, what: str) -> Any:
@@ -301,7 +363,9 @@ class ServedEngine:
 
     def _wait_ticket(self, slot: ShmSlot, b: int, rows: int, deadline: float, what: str) -> None:
         """Until sequence b's ticket says all `rows` rows are written (checked once when
-        `deadline` has passed); RuntimeError naming the cause when they are not."""
+        `deadline` has passed). TargetLost naming the server, the slot and the reason when
+        the writer failed (tickets.WRITER_FAILED) or nothing came by the deadline;
+        RuntimeError when the writer refused the request (its rows disagree with it)."""
         while True:
             t = slot.read_ticket(b)
             if t is not None and t.nonce != slot.issued.get(b):
@@ -309,12 +373,19 @@ class ServedEngine:
             if t is not None and t.status == DONE and t.written == rows:
                 return
             if t is not None and t.status == FAILED:
+                if t.error.startswith(WRITER_FAILED):
+                    raise TargetLost(
+                        f"{self.name} could not write {what} into slot {slot.location}: {t.error}"
+                    )
                 raise RuntimeError(f"{self.name} could not capture {what}: {t.error}")
             self._check_server(f"the wait for {what}")
             if time.monotonic() >= deadline:
-                raise RuntimeError(
-                    f"{self.name} answered {what} but wrote no features within "
-                    f"target.timeout_s={self.timeout_s:g}s{self.no_features_hint}{_reach(slot)}"
+                # the install hint only while the server never wrote: later, a rank failed
+                hint = self.no_features_hint if not self._wrote else LATE_HINT
+                raise TargetLost(
+                    f"{self.name} answered {what} but wrote no features into slot "
+                    f"{slot.location} within target.timeout_s={self.timeout_s:g}s"
+                    f"{hint}{reach_hint(slot)}"
                 )
             time.sleep(0.005)
 
@@ -323,60 +394,3 @@ class ServedEngine:
             self.keeper.stop()
         for slot in self.slots if self.owns_slots else ():
             slot.close()
-
-
-def issue_tickets(slot: ShmSlot, batch: PaddedBatch) -> SlotViews:
-    """Fit `slot` to `batch` (ValueError, nothing written, when it is over the run's slot
-    budget) and issue a pending ticket per sequence with a fresh nonce: its rows, and
-    where they go (ragged: sequence b's rows follow those of sequences 0..b-1, shm.py)."""
-    views = slot.prepare(batch.lengths.tolist())
-    lay = slot.layout
-    code = DTYPE_CODES[lay.dtype]
-    for b, n in enumerate(views.lengths):
-        aux_off, last_off = views.offsets(b)
-        ticket = Ticket(PENDING, n, 0, aux_off, last_off, lay.aux_width, lay.hidden, code)
-        ticket.nonce = new_nonce()
-        slot.write_ticket(b, ticket)
-    return views
-
-
-def slot_features(views: SlotViews, batch: PaddedBatch, dtype: torch.dtype) -> TargetFeatures:
-    """`batch`'s features from the written rows of `views`, padded to the batch (views of
-    the slot when every length is the same), the last hidden rows in `dtype`
-    (target.dtype). fp8 aux rows stay fp8 beside their scales: `TargetFeatures.to`
-    dequantizes them where they land (on the GPU after an asynchronous copy)."""
-    S = batch.shape[1]
-    aux, last = views.padded(S)
-    return TargetFeatures(
-        batch.sample_ids,
-        batch.input_ids,
-        batch.loss_mask,
-        batch.lengths,
-        aux,
-        last.to(dtype),
-        aux_scale=views.padded_scale(S),
-    )
-
-
-def check_reply(reply: Any, name: str, what: str) -> None:
-    """RuntimeError when the server's reply (one JSON object or a list of them) says it
-    refused or aborted the request."""
-    outputs = reply if isinstance(reply, list) else [reply]
-    for out in outputs:
-        if not isinstance(out, dict) or "error" in out:
-            raise RuntimeError(f"{name} refused {what}: {str(out)[:500]}")
-        finish = (out.get("meta_info") or {}).get("finish_reason") or {}
-        if isinstance(finish, dict) and finish.get("type") == "abort":
-            raise RuntimeError(f"{name} aborted {what}: {finish.get('message')}")
-
-
-def _reach(slot: ShmSlot) -> str:
-    """With Mooncake, where the server had to write (what to check when nothing came)."""
-    exposer = slot.exposer
-    if exposer is None:
-        return ""
-    return (
-        f"; with target.transport=mooncake the server writes to this rank at "
-        f"{exposer.peer} ({exposer.protocol}): can it reach that address "
-        "(target.mooncake.host)? its log names the failed transfer"
-    )

@@ -226,6 +226,14 @@ def pid_file_current(pid_file: Path | None) -> bool:
     return pid_file is None or written_since(pid_file, started_at(os.getpid()) or 0.0)
 
 
+def tail(path: Path, lines: int = 30) -> str:
+    """The last `lines` lines of log `path` ("" when it cannot be read)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
 def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
@@ -265,7 +273,7 @@ class EngineServer:
         return self.proc.poll()
 
     def tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return tail(self.log_path, lines)
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL, the whole process group; returns once it is gone."""

@@ -24,8 +24,14 @@ tokens' whatever the spread of its lengths. The trainer pads a copy for training
 to its SlotBudget (the most a request of the run can hold, slot_budget.py); a request over
 it is refused before anything is written, naming the recipe keys that set it.
 
-The trainer owns the files (creates, grows, unlinks); producers open and write, keeping
-their mappings (slot_writer.SlotMaps), or reach them through Mooncake (mooncake.py). With
+The trainer owns the files (creates, grows, unlinks), each under a shared flock for as
+long as it is live (the stale-slot sweep unlinks only files it can lock exclusively:
+slot_budget.py); producers open and write, keeping their mappings
+(slot_writer.SlotMaps), or reach them through Mooncake (mooncake.py). A request the
+trainer gave up on may still be written: the next request of its slot gets a fresh file
+(`prepare(fresh=True)`) and, with Mooncake, a fresh registration, the old one withdrawn
+and its mapping kept (its pages freed) until `close`, so no late transfer lands in memory
+the slot uses again. With
 CUDA both sides page-lock their mappings (`pin`: DMA at pinned bandwidth; the trainer's
 copy to the GPU may be asynchronous, and a slot waits for it before it is rewritten or
 unmapped: `note_read`, `wait_reads`). Imports only the standard library, torch and
@@ -34,6 +40,7 @@ tickets.py (and fp8_rows.py): the slot writer uses it inside every engine's serv
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -287,11 +294,15 @@ class ShmSlot:
         self.buf: mmap.mmap | None = None
         self.pinned = 0  # address of the page-locked mapping (0: not pinned)
         self.issued: dict[int, int] = {}  # ticket index -> nonce of the ticket written there
+        self._lock_fd = -1  # holds the live file's shared flock (-1: none)
+        self.retired: list[mmap.mmap] = []  # withdrawn Mooncake mappings, unmapped at close
 
-    def prepare(self, lengths: Sequence[int]) -> SlotViews:
+    def prepare(self, lengths: Sequence[int], fresh: bool = False) -> SlotViews:
         """Views for a request of sequences `lengths`, reallocating first when it does not
-        fit; ValueError, before anything is written, when it is over the budget. Call it
-        before the slot is written: it waits for asynchronous copies still reading it."""
+        fit, or when `fresh` (a writer of the request the trainer gave up on here may still
+        come: it reaches only the old file or registration); ValueError, before anything
+        is written, when it is over the budget. Call it before the slot is written: it
+        waits for asynchronous copies still reading it."""
         problem = self.budget.refusal(lengths) if self.budget else ""
         if problem:
             raise ValueError(problem)
@@ -302,6 +313,8 @@ class ShmSlot:
             cap = _grow(T, lay.capacity if lay else 0, most.tokens)
             seqs = _grow(B, lay.max_seqs if lay else 0, most.seqs)
             self._allocate(SlotLayout.plan(cap, seqs, self.aux_width, self.hidden, self.dtype))
+        elif fresh:
+            self._allocate(lay)
         return self.views(lengths)
 
     def views(self, lengths: Sequence[int]) -> SlotViews:
@@ -310,14 +323,17 @@ class ShmSlot:
         return SlotViews(self.buf, self.layout, lengths)
 
     def _allocate(self, layout: SlotLayout) -> None:
-        self.close()
+        self._retire()
         name = f"{FILE_PREFIX}{self.job}-{os.getpid()}-{self.tag}-{uuid.uuid4().hex[:12]}"
         path = SHM_DIR / name
         buf = map_path(path, layout.nbytes)[0]
+        self._lock_fd = os.open(path, os.O_RDONLY)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_SH)  # live: the sweep leaves it alone
         buf[: _HEADER.size] = layout.pack()
         self.path, self.layout, self.buf = path, layout, buf
         self.location = self.exposer.expose(buf) if self.exposer else str(path)
         self.pinned = pin(buf)
+        self.issued = {}
 
     def ticket_offset(self, index: int) -> int:
         assert self.layout is not None and index < self.layout.max_seqs
@@ -331,12 +347,29 @@ class ShmSlot:
     def read_ticket(self, index: int) -> Ticket | None:
         return Ticket.unpack(self.buf, self.ticket_offset(index))
 
-    def close(self) -> None:
-        """Unlink the file; the mapping goes once no yielded tensor uses it."""
-        if self.path is not None:
-            self.path.unlink(missing_ok=True)
+    def _retire(self) -> None:
+        """Let the live file go: unlinked, its lock dropped, its registration withdrawn.
+        The shm mapping goes once no yielded tensor uses it (a writer's own mapping of the
+        file stays its own); a Mooncake one stays mapped until `close`, its pages freed,
+        so its addresses are not handed out again while a late transfer may come."""
+        if self.buf is None:
+            return
+        wait_reads(self.pinned)
+        self.path.unlink(missing_ok=True)
+        os.close(self._lock_fd)
+        unpin(self.pinned)
         if self.exposer and self.location:
             self.exposer.withdraw(self.location)
-        unpin(self.pinned)
-        release(self.buf)
+            self.buf.madvise(mmap.MADV_REMOVE)
+            self.retired.append(self.buf)
+        else:
+            release(self.buf)
         self.path, self.layout, self.buf, self.pinned, self.location = None, None, None, 0, ""
+        self._lock_fd = -1
+
+    def close(self) -> None:
+        """Unlink the file; the mappings go once no yielded tensor uses them."""
+        self._retire()
+        for buf in self.retired:
+            release(buf)
+        self.retired = []

@@ -18,11 +18,14 @@ before anything is written (shm.ShmSlot.prepare), naming these keys.
 Job id (`job_id`): slot files are named `<FILE_PREFIX><job>-<pid>-...`, the job a hash of
 the host name and the run's output directory (one job per output_dir: lifecycle.py). Two
 jobs sharing /dev/shm (docker --ipc=host) have separate process-id namespaces, where a
-live process of the other looks dead: the sweep only judges files of its own job.
+live process of the other looks dead: the sweep only judges files of its own job, and
+unlinks only those it can lock exclusively (a live slot holds a shared flock, shm.py),
+so two containers with the same host name and output_dir never sweep each other's.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -131,7 +134,8 @@ def _ours_bytes(job: str) -> int:
 def sweep_stale_slots(job: str) -> list[Path]:
     """Unlink slot files of job `job` (same uid) whose creating process is gone, e.g.
     after a SIGKILL, so a crashed run does not keep holding shared memory; returns them.
-    Other jobs' files are never judged (module docstring)."""
+    Other jobs' files are never judged, and a file another process holds locked (a live
+    slot, maybe of a process in another pid namespace) is left alone (module docstring)."""
     swept = []
     for path in SHM_DIR.glob(f"{FILE_PREFIX}{job}-*"):
         try:
@@ -140,8 +144,25 @@ def sweep_stale_slots(job: str) -> list[Path]:
                 continue
             os.kill(pid, 0)
         except ProcessLookupError:
-            path.unlink(missing_ok=True)
-            swept.append(path)
+            if _unlink_unlocked(path):
+                swept.append(path)
         except (ValueError, IndexError, OSError):
             continue  # not ours to judge: malformed name, vanished, or another user's pid
     return swept
+
+
+def _unlink_unlocked(path: Path) -> bool:
+    """Unlink `path` when no process holds a lock on it (we take it exclusively first)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # locked: a live slot
+    else:
+        path.unlink(missing_ok=True)
+        return True
+    finally:
+        os.close(fd)

@@ -7,17 +7,18 @@ trainer's slot on any host, mooncake.py: `SlotAccess`), ticket index and nonce t
 trainer put in the request. `SLOTS` keeps
 each slot mapped once per process (page-locked on CUDA, `SlotMaps`; the hf worker keeps
 its own), so the device-to-host copy is one DMA into the slot. A writer whose nonce is not
-the ticket's (the trainer gave up on its request and reused the slot) writes nothing: it
-checks before copying and again before answering, so a late write lands only if it was
-already copying when the slot was reused (the trainer first waits for the abandoned
-request's reply, served.py `submit`). A request's rows may arrive in chunks (a split prefill):
+the ticket's writes nothing: it checks before copying and again before answering. A
+request the trainer gave up on is never followed in its slot's file or registration (the
+next request there gets a fresh one, served.py `submit`), so a late writer reaches only
+memory no request reads again. A request's rows may arrive in chunks (a split prefill):
 each lands at its offset in the sequence, and the ticket turns DONE once all of them are
 there. In an fp8 slot (target.transport_dtype fp8_e4m3) the aux rows are quantized where
 they are (on the GPU in production: fewer bytes to the host), a bounded block of rows at
 a time straight into the slot or the Mooncake staging buffer, with a scale per (row, aux
 layer); the last hidden rows go in bfloat16 (fp8_rows.py). Nothing here raises into the
-engine: a failure goes to the trainer through the ticket (FAILED, with the reason), and
-the server keeps serving.
+engine: a failure goes to the trainer through the ticket (FAILED, with the reason; a
+writer's own error, a failed transfer or an out-of-memory say, marked
+tickets.WRITER_FAILED, best effort), and the server keeps serving.
 
 Imports only torch, the standard library, shm.py, fp8_rows.py, tickets.py and mooncake.py:
 it is installed with `--no-deps` in each engine's own environment.
@@ -46,7 +47,14 @@ from specforge_dspark.engines.shm import (
     release,
     view,
 )
-from specforge_dspark.engines.tickets import DONE, FAILED, PENDING, TICKET_SIZE, Ticket
+from specforge_dspark.engines.tickets import (
+    DONE,
+    FAILED,
+    PENDING,
+    TICKET_SIZE,
+    WRITER_FAILED,
+    Ticket,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +131,7 @@ class SlotAccess:
         self.location = location
         remote = Remote.parse(location)
         self.remote = None if remote is None else RemoteSlot(remote)
+        self.refusal = "" if self.remote is None else self.remote.refusal  # rows not written
         if self.remote is None:
             self.buf, self.layout = SLOTS.get(location)
         else:
@@ -167,7 +176,8 @@ def write_features(
     """Copy one request's rows [row0, row0 + N) into its slot (a /dev/shm path or a
     Mooncake location, SlotAccess) and update the ticket: done once all of its rows are
     written (row0 None: right after those written so far). Nothing when the ticket's
-    nonce is not `nonce` (module docstring). Never raises."""
+    nonce is not `nonce` (module docstring). Never raises: an error marks the ticket
+    FAILED as the writer's (`fail(lost=True)`), best effort."""
     try:
         slot = SlotAccess(location)
         t = _mine(slot, nonce, ticket)
@@ -176,7 +186,7 @@ def write_features(
         if row0 is None:
             row0 = t.written
         rows = aux_ND.shape[0]
-        problem = _check(t, row0, aux_ND, last_NH)
+        problem = slot.refusal or _check(t, row0, aux_ND, last_NH)
         if problem:
             t.status, t.error = FAILED, problem
         elif t.status != FAILED:
@@ -185,8 +195,11 @@ def write_features(
             t.status = DONE if t.written == t.rows else PENDING
         if _mine(slot, nonce, ticket) is not None:
             slot.put_ticket(ticket, t)
-    except Exception:
+    except FileNotFoundError:  # the trainer gave the slot up (or exited): no one to tell
+        logger.warning("specforge_dspark: slot %s is gone: writing nothing", location)
+    except Exception as e:
         logger.exception("specforge_dspark: could not hand features to %s", location)
+        fail(location, ticket, nonce, f"{type(e).__name__}: {e}", lost=True)
 
 
 def _put_rows(slot: SlotAccess, t: Ticket, row0: int, aux_ND, last_NH) -> None:
@@ -243,13 +256,14 @@ def _check(t: Ticket, row0: int, aux_ND, last_NH) -> str:
     return ""
 
 
-def fail(location: str, ticket: int, nonce: int, message: str) -> None:
-    """Mark a ticket failed with `message` (best effort; nothing on another nonce)."""
+def fail(location: str, ticket: int, nonce: int, message: str, lost: bool = False) -> None:
+    """Mark a ticket failed with `message` (best effort; nothing on another nonce);
+    `lost`: the writer failed, not the request (tickets.WRITER_FAILED)."""
     try:
         slot = SlotAccess(location)
         t = _mine(slot, nonce, ticket)
         if t is not None:
-            t.status, t.error = FAILED, message
+            t.status, t.error = FAILED, (WRITER_FAILED if lost else "") + message
             slot.put_ticket(ticket, t)
     except Exception:
         logger.exception("specforge_dspark: could not report to %s", location)

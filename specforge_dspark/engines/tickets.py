@@ -3,7 +3,8 @@
 The trainer issues a ticket per sequence of a request (status PENDING, the rows it
 expects, where its rows go in the slot, their width and dtype); the producer inside the
 engine (slot_writer.py, called by the SGLang plugin and the vLLM connector) copies the rows
-there and marks the ticket DONE once all of them are written, or FAILED with the reason.
+there and marks the ticket DONE once all of them are written, or FAILED with the reason
+(WRITER_FAILED first when the writer failed, not the request).
 Each ticket carries a nonce, fresh per request, that the trainer also puts in the request:
 a writer whose nonce is not the ticket's (a request the trainer gave up on, its slot since
 reused) writes nothing (slot_writer.py).
@@ -26,6 +27,10 @@ TICKET_SIZE = _TICKET.size  # 256
 _TICKET_MAGIC = b"SFDTKT01"
 
 PENDING, DONE, FAILED = 0, 1, 2
+WRITER_FAILED = "writer failed: "
+"""How a FAILED ticket's error starts when the writer itself failed (a transfer, memory, a
+stale copy of this package) rather than refused the request: the trainer counts the
+server as lost (restart, or failover in a pool: served.py), where a refusal stops the run."""
 
 
 @dataclass

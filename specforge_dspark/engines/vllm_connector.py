@@ -108,4 +108,5 @@ class ShmHiddenStatesConnector(ExampleHiddenStatesConnector):
             last_NH = rows_NKH[:, -1]
             write_features(pending.filename, pending.ticket, pending.nonce, 0, aux_ND, last_NH)
         except Exception as e:  # the trainer reads the reason from the ticket
-            fail(pending.filename, pending.ticket, pending.nonce, f"{type(e).__name__}: {e}")
+            message = f"{type(e).__name__}: {e}"
+            fail(pending.filename, pending.ticket, pending.nonce, message, lost=True)

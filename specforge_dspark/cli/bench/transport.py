@@ -15,7 +15,7 @@ side of bf16 against fp8 rows, same run.
 3. `transport trainer bf16_s=<a> fp8_s=<b> ratio=<b/a>`: the trainer's side of one
    micro-batch (one sequence of --seq-len tokens at the tiny target's shapes, written into
    a slot of each wire dtype by slot_writer.write_features): its features from the slot
-   (served.slot_features) moved to the trainer's device (`TargetFeatures.to`: a CUDA GPU
+   (request.slot_features) moved to the trainer's device (`TargetFeatures.to`: a CUDA GPU
    when there is one, fp8 rows dequantized there; else the CPU), until they are there;
    bf16 and fp8 in alternating turns after one warm-up each; medians.
 """
@@ -59,7 +59,7 @@ def _write_rates(target: str, rows: int, reps: int) -> tuple[float, float]:
 
     from specforge_dspark.engines.features import PaddedBatch, read_target_dims
     from specforge_dspark.engines.mooncake import Exposer
-    from specforge_dspark.engines.served import issue_tickets
+    from specforge_dspark.engines.request import issue_tickets
     from specforge_dspark.engines.shm import ShmSlot
     from specforge_dspark.engines.tickets import DONE
 
@@ -126,7 +126,7 @@ def _trainer_seconds(target: str, rows: int, reps: int) -> tuple[float, float, s
 
     from specforge_dspark.engines.features import PaddedBatch, read_target_dims
     from specforge_dspark.engines.fp8_rows import FP8
-    from specforge_dspark.engines.served import issue_tickets, slot_features
+    from specforge_dspark.engines.request import issue_tickets, slot_features
     from specforge_dspark.engines.shm import ShmSlot
     from specforge_dspark.engines.slot_writer import write_features
 
