@@ -46,10 +46,14 @@ class Mode:
 
 class FakeServer:
     """behaviour: ok | stall | down (stalls, health 503) | http500 | noplugin | chunked | gap
-    | late (replies first, writes WRITE_DELAY_S later: a TP rank that does not reply)"""
+    | late (replies first, writes WRITE_DELAY_S later: a TP rank that does not reply).
+    With `key` set, a POST without `Authorization: Bearer <key>` is refused (401) as
+    SGLang refuses it; `auths` records each POST's Authorization header."""
 
     def __init__(self):
         self.behaviour = "ok"
+        self.key = ""
+        self.auths: list[str | None] = []
         self.release = threading.Event()
         self.bodies: list[dict] = []
         fake = self
@@ -72,6 +76,9 @@ class FakeServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.auths.append(self.headers.get("Authorization"))
+                if fake.key and self.headers.get("Authorization") != f"Bearer {fake.key}":
+                    return self._reply(401, {"error": "Unauthorized"})
                 fake.bodies.append(body)
                 if fake.behaviour in ("stall", "down"):
                     fake.release.wait(30)

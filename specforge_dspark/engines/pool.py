@@ -117,6 +117,11 @@ class ServerPool:
         """A live server's URL (the preflight's rollouts go there)."""
         return self.live[0].url
 
+    @property
+    def api_key(self) -> str | None:
+        """That server's API key."""
+        return self.live[0].api_key
+
     def outstanding(self, member) -> int:
         return sum(tokens for m, tokens in self.assigned.values() if m is member)
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from specforge_dspark.engines import mooncake
+from specforge_dspark.engines.api_key import KEY_ENV
 from specforge_dspark.engines.features import PaddedBatch, check_layer_ids, post_json
 from specforge_dspark.engines.inkling_layout import needs_radix_cache, sglang_layout
 from specforge_dspark.engines.served import ServedEngine
@@ -68,6 +69,7 @@ CPU_ENGINE_ARGS: dict[str, Any] = {
 """Defaults for a CPU-engine server (`target.device: cpu`); `target.sglang.server_args`
 overrides any of them."""
 CPU_SHIMS = Path(__file__).resolve().parent / "cpu" / "shims"
+KEYED_LAUNCH = "specforge_dspark.engines.keyed_launch"
 
 
 def launch_args(recipe) -> list[str]:
@@ -183,10 +185,12 @@ class ServerProcess(EngineServer):
         cpu_engine: bool = False,
         key: str = "target.sglang.python",
         cores: list[int] | None = None,
+        api_key: str | None = None,
     ):
         """`python`: the interpreter of SGLang's own environment (checked: sglang imports
         there and our plugin is registered there); `key` names where it came from;
-        `cores`: the CPU engine's share of this host's cores (default: all of them)."""
+        `cores`: the CPU engine's share of this host's cores (default: all of them);
+        `api_key`: the key it listens with, through keyed_launch (api_key.py)."""
         exe = engine_python(python, key, "sglang", "sglang.srt.plugins")
         triton = "--attention-backend triton" in " ".join(args)
         env = server_env(
@@ -198,7 +202,11 @@ class ServerProcess(EngineServer):
         host = args[args.index("--host") + 1] if "--host" in args else ""
         if host not in ("", "0.0.0.0", "::"):  # Mooncake writers go out from the server's address
             env.setdefault(mooncake.HOST_ENV, host)
-        super().__init__(exe, "sglang.launch_server", args, log_path, env)
+        launcher = "sglang.launch_server"
+        if api_key:
+            env[KEY_ENV] = api_key
+            launcher, args = KEYED_LAUNCH, [launcher, *args]
+        super().__init__(exe, launcher, args, log_path, env, api_key=api_key)
 
 
 class SGLangEngine(ServedEngine):
@@ -223,7 +231,7 @@ class SGLangEngine(ServedEngine):
         s, cpu = self.recipe.target.sglang, is_cpu_engine(self.recipe)
         several = cpu and s.servers_per_node > 1
         cores = node_share(self.index, s.servers_per_node) if several else None
-        return ServerProcess(s.python, self._args, log_path, cpu, cores=cores)
+        return ServerProcess(s.python, self._args, log_path, cpu, cores=cores, api_key=self.api_key)
 
     def post(self, seq: int, slot: ShmSlot, batch: PaddedBatch) -> Future:
         rids, ids = [], []
@@ -235,7 +243,7 @@ class SGLangEngine(ServedEngine):
         body = json.dumps(request_body(rids, ids)).encode()
         threading.Thread(
             target=post_json,
-            args=(f"{self.url}/generate", body, self.timeout_s + 30.0, fut),
+            args=(f"{self.url}/generate", body, self.timeout_s + 30.0, fut, self.api_key),
             daemon=True,
             name=f"sglang-req-{seq}",
         ).start()
