@@ -18,6 +18,7 @@ from specforge_dspark.engines.api_key import (
     KEY_ENV,
     from_env,
     read_key_file,
+    section_key,
     started_key,
     write_key_file,
 )
@@ -93,13 +94,15 @@ def test_the_key_comes_from_the_named_variable_or_is_generated(monkeypatch):
     section = recipe_from_dict({}).target.sglang
     a, b = started_key(section, "sglang"), started_key(section, "sglang")
     assert a != b and len(a) >= 32  # per job
-    assert from_env(section, "sglang") is None
+    assert section_key(section, "sglang") is None
     section.api_key_env = VAR
     monkeypatch.delenv(VAR, raising=False)
     with pytest.raises(ValueError, match=f"target.sglang.api_key_env={VAR}: .* not set"):
         started_key(section, "sglang")
     monkeypatch.setenv(VAR, "given")
-    assert started_key(section, "sglang") == "given" == from_env(section, "sglang")
+    assert started_key(section, "sglang") == "given" == section_key(section, "sglang")
+    with pytest.raises(ValueError, match="data.regenerate.api_key_env=NOPE: the environment"):
+        from_env("NOPE", "data.regenerate.api_key_env")
 
 
 @pytest.mark.parametrize("backend", ["sglang", "vllm"])

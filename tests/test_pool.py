@@ -62,7 +62,12 @@ class FakeServer:
 def _recipe(device: str = "cpu", **sglang):
     return recipe_from_dict(
         {
-            "target": {"backend": "sglang", "device": device, "sglang": sglang},
+            "target": {
+                "backend": "sglang",
+                "device": device,
+                # URLS are off the loopback: a key is named (FakeServer never reads it)
+                "sglang": {"api_key_env": "SFDSPARK_TEST_KEY", **sglang},
+            },
             "draft": {"target_layer_ids": [0, 1], "num_target_layers": 4},
         }
     )

@@ -108,3 +108,6 @@ class RegenerateRecipe:
     opening_temperature: float = 1.0
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     request_timeout_s: float = 600.0
+    api_key_env: str = ""
+    """Name of an environment variable holding the server's API key (backends openai and
+    sglang): every request carries it (Authorization: Bearer)."""

@@ -38,17 +38,16 @@ def auth_headers(key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def from_env(section, engine: str) -> str | None:
-    """The key `target.<engine>.api_key_env` names (None when it names none); ValueError
-    when the variable is unset or empty."""
-    name = section.api_key_env
+def from_env(name: str, recipe_key: str) -> str | None:
+    """The key in environment variable `name` (recipe key `recipe_key` names it; None when
+    it names none); ValueError when the variable is unset or empty."""
     if not name:
         return None
     key = os.environ.get(name, "")
     if not key:
         raise ValueError(
-            f"target.{engine}.api_key_env={name}: the environment variable {name} is not set "
-            "(or empty) in the trainer's environment"
+            f"{recipe_key}={name}: the environment variable {name} is not set (or empty) "
+            "in this process's environment"
         )
     return key
 
@@ -71,9 +70,14 @@ def read_key_file(path: Path) -> str | None:
         return None
 
 
+def section_key(section, engine: str) -> str | None:
+    """The key `target.<engine>.api_key_env` names (from_env)."""
+    return from_env(section.api_key_env, f"target.{engine}.api_key_env")
+
+
 def started_key(section, engine: str) -> str:
     """The key a server the run starts listens with (module docstring)."""
-    return from_env(section, engine) or secrets.token_urlsafe(32)
+    return section_key(section, engine) or secrets.token_urlsafe(32)
 
 
 def redacting_log(log_path: Path, key: str) -> subprocess.Popen:

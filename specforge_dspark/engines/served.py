@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from specforge_dspark.engines.api_key import (
-    from_env,
     read_key_file,
+    section_key,
     started_key,
     write_key_file,
 )
@@ -116,7 +116,7 @@ class ServedEngine:
         stem = f"{self.engine}_server{index or ''}"  # sglang_server, sglang_server1, ...
         self.pid_file = None if section.url else out / f"{stem}_rank{node}.pid"
         self.key_file = None if section.url else self.pid_file.with_suffix(".key")
-        self.api_key = from_env(section, self.engine) if section.url else None
+        self.api_key = section_key(section, self.engine) if section.url else None
         """The key every request carries (api_key.py): an attached server's from the
         recipe; a started one's generated here, or read once the server answers."""
         self.restarts = restarts
