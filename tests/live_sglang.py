@@ -4,6 +4,8 @@ environment under test are the ones training uses."""
 
 from __future__ import annotations
 
+import os
+import secrets
 import socket
 import time
 import urllib.request
@@ -14,6 +16,18 @@ from specforge_dspark.engines.sglang import ServerProcess, launch_args
 
 LAYERS = [0, 1, 2]
 START_TIMEOUT_S = 300.0
+API_KEY_ENV = "SFDSPARK_TEST_API_KEY"
+"""The live test servers listen with the key in this variable of the test process (set
+here, inherited by the trainers the tests start); recipes attach with
+target.<engine>.api_key_env naming it (`attach_key`)."""
+os.environ.setdefault(API_KEY_ENV, secrets.token_urlsafe(24))
+
+
+def attach_key(extra: tuple[str, ...] | list[str], engine: str = "sglang") -> list[str]:
+    """The override that gives a trainer the live servers' key, when `extra` attaches it
+    to one (target.<engine>.url or urls); a server it starts makes its own key."""
+    attached = any(e.startswith(f"target.{engine}.url") for e in extra)
+    return [f"target.{engine}.api_key_env={API_KEY_ENV}"] if attached else []
 
 
 def free_port() -> int:
@@ -41,6 +55,7 @@ def tiny_sglang_recipe(
                 "timeout_s": 60,
                 "sglang": {
                     "url": url,
+                    "api_key_env": API_KEY_ENV if url else "",
                     "host": host,
                     "port": port,
                     "python": python,
@@ -74,7 +89,10 @@ class LiveServer:
         self.log_path = Path(log_dir) / f"sglang-{self.port}.log"
         t0 = time.monotonic()
         python = recipe.target.sglang.python  # SGLang's own venv, as the trainer starts it
-        self.proc = ServerProcess(python, launch_args(recipe), self.log_path, cpu_engine=True)
+        self.api_key = os.environ[API_KEY_ENV]
+        self.proc = ServerProcess(
+            python, launch_args(recipe), self.log_path, cpu_engine=True, api_key=self.api_key
+        )
         self.pid = self.proc.proc.pid
         try:
             self._wait_healthy()

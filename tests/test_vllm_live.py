@@ -15,14 +15,15 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 import torch
 
-from specforge_dspark.engines.features import Sample
+from specforge_dspark.engines.features import Sample, post_json
 from specforge_dspark.training.stream import FeatureStream
-from tests.live_sglang import free_port, tiny_sglang_recipe
+from tests.live_sglang import attach_key, free_port, tiny_sglang_recipe
 from tests.live_vllm import tiny_vllm_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,6 +54,12 @@ def collect(recipe, batches) -> list[tuple[torch.Tensor, torch.Tensor, torch.Ten
 def test_live_vllm_features_equal_the_hf_backend(vllm_server, tiny_qwen3_dir):
     batches = batches_of([[37, 5, 120], [64], [9, 200, 1]])
     live = collect(tiny_vllm_recipe(tiny_qwen3_dir, url=vllm_server.url), batches)
+    # it listens with a key (the stream above carried it): a request without it is refused
+    refused: Future = Future()
+    body = json.dumps({"prompt": [5, 6], "max_tokens": 1}).encode()
+    post_json(f"{vllm_server.url}/v1/completions", body, 60.0, refused)
+    with pytest.raises(RuntimeError, match="HTTP 401"):
+        refused.result()
     hf_recipe = tiny_sglang_recipe(tiny_qwen3_dir)
     hf_recipe.target.backend = "hf"
     ref = collect(hf_recipe, batches)
@@ -83,6 +90,7 @@ def train(out: Path, backend: str, *extra: str, wait: bool = True) -> subprocess
         "data.max_rows=96", "data.max_length=160", "objective.num_anchors=16",
         "objective.chunk_size=8", "tracking.enabled=false", "export.formats=[sglang]",
         "train.preflight_samples=0", f"target.backend={backend}", *extra,
+        *attach_key(extra, "vllm"),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out.mkdir(parents=True, exist_ok=True)

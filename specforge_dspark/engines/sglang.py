@@ -52,6 +52,7 @@ RESERVED = {
     "disable_radix_cache": "the backend (cached prefixes have no hidden states: see the plugin)",
     "disable_overlap_schedule": "the backend (always on: see OVERLAP below)",
     "dtype": "target.dtype",
+    "api_key": "target.sglang.api_key_env (or a key generated per job: engines/api_key.py)",
 }
 OVERLAP = """Overlap scheduling is always off: SGLang would process a batch's results after the
 next batch launched, reading `last_hidden_states` from device memory it may reuse; a

@@ -68,6 +68,7 @@ RESERVED = {
     "speculative_config": "the backend (extract_hidden_states, draft.target_layer_ids)",
     "kv_transfer_config": "the backend (our shared-memory connector)",
     "enable_prefix_caching": "the backend (always off, like SGLang's radix cache)",
+    "api_key": "target.vllm.api_key_env (or a key generated per job: engines/api_key.py)",
 }
 NORMED_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe", "qwen2", "qwen2_moe", "llama", "mistral"})
 NORM_WEIGHT = "model.norm.weight"
