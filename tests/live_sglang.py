@@ -5,7 +5,6 @@ environment under test are the ones training uses."""
 from __future__ import annotations
 
 import os
-import secrets
 import socket
 import time
 import urllib.request
@@ -13,21 +12,10 @@ from pathlib import Path
 
 from specforge_dspark.config.recipe import recipe_from_dict
 from specforge_dspark.engines.sglang import ServerProcess, launch_args
+from tests.live_keys import API_KEY_ENV
 
 LAYERS = [0, 1, 2]
 START_TIMEOUT_S = 300.0
-API_KEY_ENV = "SFDSPARK_TEST_API_KEY"
-"""The live test servers listen with the key in this variable of the test process (set
-here, inherited by the trainers the tests start); recipes attach with
-target.<engine>.api_key_env naming it (`attach_key`)."""
-os.environ.setdefault(API_KEY_ENV, secrets.token_urlsafe(24))
-
-
-def attach_key(extra: tuple[str, ...] | list[str], engine: str = "sglang") -> list[str]:
-    """The override that gives a trainer the live servers' key, when `extra` attaches it
-    to one (target.<engine>.url or urls); a server it starts makes its own key."""
-    attached = any(e.startswith(f"target.{engine}.url") for e in extra)
-    return [f"target.{engine}.api_key_env={API_KEY_ENV}"] if attached else []
 
 
 def free_port() -> int:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from specforge_dspark.config.recipe import recipe_from_dict
 from specforge_dspark.engines.vllm import VLLMServerProcess, healthy, launch_args
-from tests.live_sglang import API_KEY_ENV, LAYERS, free_port
+from tests.live_keys import API_KEY_ENV
+from tests.live_sglang import LAYERS, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"

@@ -25,7 +25,8 @@ import torch
 
 from specforge_dspark.engines.api_key import auth_headers
 from specforge_dspark.engines.inkling_layout import convert_state, interleave, sglang_layout
-from tests.live_sglang import API_KEY_ENV, attach_key, free_port, tiny_sglang_recipe
+from tests.live_keys import API_KEY_ENV, attach_key
+from tests.live_sglang import free_port, tiny_sglang_recipe
 from tests.test_sglang_live import _batches, _collect, _hf_recipe, _max_diff
 
 REPO = Path(__file__).resolve().parents[1]

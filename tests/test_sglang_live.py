@@ -19,22 +19,21 @@ import json
 import os
 import re
 import signal
-import stat
 import subprocess
 import sys
 import time
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 import torch
 
-from specforge_dspark.engines.features import Sample, post_json
+from specforge_dspark.engines.features import Sample
 from specforge_dspark.engines.pool import PORT_STRIDE
 from specforge_dspark.engines.server import port_taken
 from specforge_dspark.training.stream import FeatureStream
 from tests.inject import drills
-from tests.live_sglang import API_KEY_ENV, LiveServer, attach_key, free_port, tiny_sglang_recipe
+from tests.live_keys import API_KEY_ENV, attach_key, key_kept_private, refused_without_key
+from tests.live_sglang import LiveServer, free_port, tiny_sglang_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 30
@@ -84,12 +83,7 @@ def test_live_server_features_equal_the_hf_backend(sglang_server, tiny_qwen3_dir
     start = sglang_server.start_seconds
     print(f"live SGLang vs hf features: max abs diff {diff:.3g} (server start {start:.0f}s)")
     assert diff <= 1e-5  # fp32; values reach ~10, kernels see other batch shapes
-    # it listens with a key (the stream above carried it): a request without it is refused
-    refused: Future = Future()
-    body = json.dumps({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}}).encode()
-    post_json(f"{sglang_server.url}/generate", body, 60.0, refused)
-    with pytest.raises(RuntimeError, match="HTTP 401"):
-        refused.result()
+    refused_without_key(f"{sglang_server.url}/generate", {"input_ids": [5, 6]})  # keyed
 
 
 def test_regenerate_on_sglang_continues_an_opening_like_the_hf_backend(
@@ -103,9 +97,7 @@ def test_regenerate_on_sglang_continues_an_opening_like_the_hf_backend(
     from data_pipelines.backends import HFBackend, SGLangBackend
     from specforge_dspark.config.servers import RegenerateRecipe
 
-    rc = RegenerateRecipe(
-        backend="sglang", url=sglang_server.url, max_new_tokens=24, api_key_env=API_KEY_ENV
-    )
+    rc = RegenerateRecipe("sglang", sglang_server.url, max_new_tokens=24, api_key_env=API_KEY_ENV)
     served = SGLangBackend(rc, 0, str(tiny_qwen3_dir))
     hf = HFBackend(str(tiny_qwen3_dir), rc)
     for question in ("Natalia sold clips to 48 of her friends.", "What is 2 + 3?"):
@@ -299,10 +291,7 @@ def test_killed_server_fails_fast_and_the_run_resumes_exactly(runs, sglang_serve
     text = (out / "job.log").read_text()
     assert job.returncode != 0
     assert f"sglang server http://127.0.0.1:{port}" in text, text[-3000:]
-    key_file = out / "sglang_server_rank0.key"  # the key the run generated, its ranks share
-    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
-    server_log = (out / "sglang_server_rank0.log").read_text()
-    assert key_file.read_text() not in text + server_log and "<api-key>" in server_log
+    key_kept_private(out)
     assert took <= 30, f"the job took {took:.1f}s to fail after the server died"
     print(f"killed server: job failed {took:.1f}s later")
 

@@ -15,15 +15,15 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 import torch
 
-from specforge_dspark.engines.features import Sample, post_json
+from specforge_dspark.engines.features import Sample
 from specforge_dspark.training.stream import FeatureStream
-from tests.live_sglang import attach_key, free_port, tiny_sglang_recipe
+from tests.live_keys import attach_key, refused_without_key
+from tests.live_sglang import free_port, tiny_sglang_recipe
 from tests.live_vllm import tiny_vllm_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,11 +55,7 @@ def test_live_vllm_features_equal_the_hf_backend(vllm_server, tiny_qwen3_dir):
     batches = batches_of([[37, 5, 120], [64], [9, 200, 1]])
     live = collect(tiny_vllm_recipe(tiny_qwen3_dir, url=vllm_server.url), batches)
     # it listens with a key (the stream above carried it): a request without it is refused
-    refused: Future = Future()
-    body = json.dumps({"prompt": [5, 6], "max_tokens": 1}).encode()
-    post_json(f"{vllm_server.url}/v1/completions", body, 60.0, refused)
-    with pytest.raises(RuntimeError, match="HTTP 401"):
-        refused.result()
+    refused_without_key(f"{vllm_server.url}/v1/completions", {"prompt": [5, 6], "max_tokens": 1})
     hf_recipe = tiny_sglang_recipe(tiny_qwen3_dir)
     hf_recipe.target.backend = "hf"
     ref = collect(hf_recipe, batches)
