@@ -15,6 +15,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from specforge_dspark.engines.api_key import auth_headers, from_env
+
 
 @dataclass
 class Answer:
@@ -76,7 +78,9 @@ class _Client:
     async def __aenter__(self):
         import aiohttp
 
+        key = from_env(self.rc.api_key_env, "data.regenerate.api_key_env")
         self.session = aiohttp.ClientSession(
+            headers=auth_headers(key),
             connector=aiohttp.TCPConnector(limit=self.rc.concurrency),
             timeout=aiohttp.ClientTimeout(total=self.rc.request_timeout_s),
         )

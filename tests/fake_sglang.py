@@ -39,10 +39,14 @@ class Mode:
 class FakeServer:
     """behaviour: ok | stall | down (stalls, health 503) | http500 | noplugin | chunked | gap
     | late (replies first, writes WRITE_DELAY_S later: a TP rank that does not reply)
-    | broken (hands the writer rows it cannot copy: an error inside the writer)"""
+    | broken (hands the writer rows it cannot copy: an error inside the writer).
+    With `key` set, a POST or a GET of /server_info without `Authorization: Bearer <key>`
+    is refused (401) as SGLang refuses it; `auths` records each POST's Authorization."""
 
     def __init__(self):
         self.behaviour = "ok"
+        self.key = ""
+        self.auths: list[str | None] = []
         self.release = threading.Event()
         self.bodies: list[dict] = []
         fake = self
@@ -59,7 +63,15 @@ class FakeServer:
                 self.end_headers()
                 self.wfile.write(body)
 
+            def _refused(self) -> bool:
+                if fake.key and self.headers.get("Authorization") != f"Bearer {fake.key}":
+                    self._reply(401, {"error": "Unauthorized"})
+                    return True
+                return False
+
             def do_GET(self):
+                if self.path == "/server_info" and self._refused():
+                    return None
                 if self.path == "/server_info" and fake.behaviour != "down":
                     info = {"model_path": "tiny", "dtype": "float32", "quantization": None}
                     return self._reply(200, info)  # what a pool compares (pool.py)
@@ -68,6 +80,9 @@ class FakeServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.auths.append(self.headers.get("Authorization"))
+                if self._refused():
+                    return None
                 fake.bodies.append(body)
                 if fake.behaviour in ("stall", "down"):
                     fake.release.wait(30)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from specforge_dspark.config.recipe import recipe_from_dict
 from specforge_dspark.engines.sglang import ServerProcess, launch_args
+from tests.live_keys import API_KEY_ENV
 
 LAYERS = [0, 1, 2]
 START_TIMEOUT_S = 300.0
@@ -62,6 +63,7 @@ def tiny_sglang_recipe(
                 "timeout_s": 60,
                 "sglang": {
                     "url": url,
+                    "api_key_env": API_KEY_ENV if url else "",
                     "host": host,
                     "port": port,
                     "python": python,
@@ -95,7 +97,10 @@ class LiveServer:
         self.log_path = Path(log_dir) / f"sglang-{self.port}.log"
         t0 = time.monotonic()
         python = recipe.target.sglang.python  # SGLang's own venv, as the trainer starts it
-        self.proc = ServerProcess(python, launch_args(recipe), self.log_path, cpu_engine=True)
+        self.api_key = os.environ[API_KEY_ENV]
+        self.proc = ServerProcess(
+            python, launch_args(recipe), self.log_path, cpu_engine=True, api_key=self.api_key
+        )
         self.pid = self.proc.proc.pid
         try:
             self._wait_healthy()

@@ -4,11 +4,13 @@ shims, connector and environment under test are the ones training uses."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 from specforge_dspark.config.recipe import recipe_from_dict
 from specforge_dspark.engines.vllm import VLLMServerProcess, healthy, launch_args
+from tests.live_keys import API_KEY_ENV
 from tests.live_sglang import LAYERS, free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,7 +28,12 @@ def tiny_vllm_recipe(target_dir: Path, url: str | None = None, port: int = 0):
                 "device": "cpu",
                 "prefetch": 3,
                 "timeout_s": 60,
-                "vllm": {"url": url, "port": port, "python": str(VLLM_PYTHON)},
+                "vllm": {
+                    "url": url,
+                    "port": port,
+                    "python": str(VLLM_PYTHON),
+                    "api_key_env": API_KEY_ENV if url else "",
+                },
             },
             "draft": {"target_layer_ids": LAYERS, "num_target_layers": 4, "vocab_size": 1088},
             "data": {"max_length": 384},
@@ -43,8 +50,14 @@ class LiveVLLM:
         recipe = tiny_vllm_recipe(target_dir, port=self.port)
         self.log_path = Path(log_dir) / f"vllm-{self.port}.log"
         t0 = time.monotonic()
+        self.api_key = os.environ[API_KEY_ENV]  # as the SGLang test servers' (live_sglang.py)
         self.proc = VLLMServerProcess(
-            str(VLLM_PYTHON), launch_args(recipe, 4), self.log_path, cpu=True, key="test"
+            str(VLLM_PYTHON),
+            launch_args(recipe, 4),
+            self.log_path,
+            cpu=True,
+            key="test",
+            api_key=self.api_key,
         )
         self.pid = self.proc.proc.pid
         try:

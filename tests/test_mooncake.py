@@ -192,8 +192,10 @@ def test_the_server_command_for_a_capture_node(capsys):
     assert main([*args, "target.transport=mooncake"]) == 0
     out = capsys.readouterr().out
     assert f"# {mooncake.HOST_ENV}=" in out
+    assert "# SFDSPARK_API_KEY=<the API key the trainers hold in $<target.sglang" in out
     command = out.strip().splitlines()[-1]
-    assert command.startswith("python -m sglang.launch_server --model-path ")
+    keyed = "python -m specforge_dspark.engines.keyed_launch sglang.launch_server --model-path "
+    assert command.startswith(keyed) and "--api-key" not in command
     assert "--host 10.1.2.3" in command and "--enable-return-aux-hidden-states" in command
     assert main([*args, "target.backend=hf"]) == 2
     assert "this prints SGLang's" in capsys.readouterr().err

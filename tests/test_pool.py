@@ -41,6 +41,7 @@ class FakeServer:
         self.released = self.restarted = 0
         self.up = True  # what answering() (and restart()) find after a release
         self.futures = {}
+        self.api_key = os.environ.get("SFDSPARK_TEST_KEY")  # what an attached one reads
 
     def release(self):
         self.released += 1
@@ -73,7 +74,12 @@ class FakeServer:
 def _recipe(device: str = "cpu", **sglang):
     return recipe_from_dict(
         {
-            "target": {"backend": "sglang", "device": device, "sglang": sglang},
+            "target": {
+                "backend": "sglang",
+                "device": device,
+                # URLS are off the loopback: a key is named (FakeServer never reads it)
+                "sglang": {"api_key_env": "SFDSPARK_TEST_KEY", **sglang},
+            },
             "draft": {"target_layer_ids": [0, 1], "num_target_layers": 4},
         }
     )
@@ -189,9 +195,12 @@ def test_servers_per_node_is_for_started_servers(monkeypatch):
 
 
 def test_an_attached_server_rejoins_and_a_server_of_another_model_is_refused(monkeypatch):
+    monkeypatch.setenv("SFDSPARK_TEST_KEY", "k3y")
     said = {url: {"model_path": "/m/x", "dtype": "bfloat16", "quantization": None} for url in URLS}
     said[URLS[2]] = {**said[URLS[2]], "quantization": "fp8", "served_model_name": "x"}
-    monkeypatch.setattr(pool_module, "_get_json", lambda url: said[url.rsplit("/", 1)[0]])
+    asked = []  # the key each GET carried
+    get = lambda url, key: asked.append(key) or said[url.rsplit("/", 1)[0]]  # noqa: E731
+    monkeypatch.setattr(pool_module, "_get_json", get)
     monkeypatch.setattr(FakeServer, "identity_path", "/server_info")
     pool = ServerPool(FakeServer, _recipe(urls=URLS), 0, 1, 4)
     with pytest.raises(ValueError) as e:
@@ -221,6 +230,7 @@ def test_an_attached_server_rejoins_and_a_server_of_another_model_is_refused(mon
     clock[0] += pool_module.READMIT_S
     pool.submit(2, _batch(1))  # the attached server answers again: back in the pool
     assert pool.live == [a, b, c] and pool.resting == [] and a.sent == [0, 2]
+    assert asked and set(asked) == {"k3y"}  # every look carried the servers' key
 
 
 def test_the_dry_run_refuses_more_started_servers_than_the_node_has_gpus(tmp_path, capsys):

@@ -52,6 +52,7 @@ def _waiter(timeout_s: float, pid_file=None, server_pid=None) -> ServedEngine:
     engine.timeout_s = timeout_s
     engine.pid_file, engine._server_pid, engine._group_look_at = pid_file, server_pid, 0.0
     engine._wrote = True
+    engine.api_key, engine.key_file = None, None  # a stand-in that asks for no key
     return engine
 
 

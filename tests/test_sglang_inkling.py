@@ -23,7 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from specforge_dspark.engines.api_key import auth_headers
 from specforge_dspark.engines.inkling_layout import convert_state, interleave, sglang_layout
+from tests.live_keys import API_KEY_ENV, attach_key
 from tests.live_sglang import free_port, tiny_sglang_recipe
 from tests.test_sglang_live import _batches, _collect, _hf_recipe, _max_diff
 
@@ -86,9 +88,8 @@ def test_live_inkling_at_tp2_features_equal_the_hf_backend(inkling_server, tiny_
 
 def _generate(url: str, ids: list[int]) -> None:
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
-    req = urllib.request.Request(
-        f"{url}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
+    headers = {"Content-Type": "application/json", **auth_headers(os.environ[API_KEY_ENV])}
+    req = urllib.request.Request(f"{url}/generate", json.dumps(body).encode(), headers)
     with urllib.request.urlopen(req, timeout=300) as r:
         r.read()
 
@@ -128,7 +129,7 @@ def _train(out: Path, backend: str, *extra: str) -> subprocess.CompletedProcess:
         "train.eval_interval=0", f"checkpoint.save_interval={STEPS}", "data.max_rows=48",
         "data.max_length=48", "objective.num_anchors=16", "objective.chunk_size=8",
         "tracking.enabled=false", "export.formats=[sglang]", "train.preflight_samples=0",
-        f"target.backend={backend}", *extra,
+        f"target.backend={backend}", *extra, *attach_key(extra),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)

@@ -32,6 +32,7 @@ from specforge_dspark.engines.pool import PORT_STRIDE
 from specforge_dspark.engines.server import port_taken
 from specforge_dspark.training.stream import FeatureStream
 from tests.inject import drills
+from tests.live_keys import API_KEY_ENV, attach_key, key_kept_private, refused_without_key
 from tests.live_sglang import (
     LiveServer,
     assert_failed_on_the_death,
@@ -88,6 +89,7 @@ def test_live_server_features_equal_the_hf_backend(sglang_server, tiny_qwen3_dir
     start = sglang_server.start_seconds
     print(f"live SGLang vs hf features: max abs diff {diff:.3g} (server start {start:.0f}s)")
     assert diff <= 1e-5  # fp32; values reach ~10, kernels see other batch shapes
+    refused_without_key(f"{sglang_server.url}/generate", {"input_ids": [5, 6]})  # keyed
 
 
 def test_regenerate_on_sglang_continues_an_opening_like_the_hf_backend(
@@ -101,7 +103,7 @@ def test_regenerate_on_sglang_continues_an_opening_like_the_hf_backend(
     from data_pipelines.backends import HFBackend, SGLangBackend
     from specforge_dspark.config.servers import RegenerateRecipe
 
-    rc = RegenerateRecipe(backend="sglang", url=sglang_server.url, max_new_tokens=24)
+    rc = RegenerateRecipe("sglang", sglang_server.url, max_new_tokens=24, api_key_env=API_KEY_ENV)
     served = SGLangBackend(rc, 0, str(tiny_qwen3_dir))
     hf = HFBackend(str(tiny_qwen3_dir), rc)
     for question in ("Natalia sold clips to 48 of her friends.", "What is 2 + 3?"):
@@ -190,7 +192,7 @@ def _train(out: Path, backend: str, *extra: str, wait: bool = True):
         "data.max_rows=96", "data.max_length=160", "objective.num_anchors=16",
         "objective.chunk_size=8", "tracking.enabled=false", "export.formats=[sglang]",
         "train.preflight_samples=0",
-        f"target.backend={backend}", *extra,
+        f"target.backend={backend}", *extra, *attach_key(extra),
     ]  # fmt: skip
     env = drills.environment({**os.environ, "OMP_NUM_THREADS": "1", drills.IDS: str(out / "ids")})
     (out / "ids").mkdir(parents=True, exist_ok=True)
@@ -301,6 +303,7 @@ def test_killed_server_fails_fast_and_the_run_resumes_exactly(runs, sglang_serve
     assert job.returncode != 0
     server = f"sglang server http://127.0.0.1:{port}"
     named = assert_failed_on_the_death(text, server, took, "recipes/tiny_cpu_sglang.yaml")
+    key_kept_private(out)
     print(f"killed server: job failed {took:.1f}s later: {named.strip()[:300]}")
 
     resumed = _train(out, "sglang", "--resume", "auto", f"target.sglang.url={sglang_server.url}")

@@ -22,6 +22,7 @@ import torch
 
 from specforge_dspark.engines.features import Sample
 from specforge_dspark.training.stream import FeatureStream
+from tests.live_keys import attach_key, refused_without_key
 from tests.live_sglang import assert_failed_on_the_death, free_port, tiny_sglang_recipe
 from tests.live_vllm import tiny_vllm_recipe
 
@@ -53,6 +54,8 @@ def collect(recipe, batches) -> list[tuple[torch.Tensor, torch.Tensor, torch.Ten
 def test_live_vllm_features_equal_the_hf_backend(vllm_server, tiny_qwen3_dir):
     batches = batches_of([[37, 5, 120], [64], [9, 200, 1]])
     live = collect(tiny_vllm_recipe(tiny_qwen3_dir, url=vllm_server.url), batches)
+    # it listens with a key (the stream above carried it): a request without it is refused
+    refused_without_key(f"{vllm_server.url}/v1/completions", {"prompt": [5, 6], "max_tokens": 1})
     hf_recipe = tiny_sglang_recipe(tiny_qwen3_dir)
     hf_recipe.target.backend = "hf"
     ref = collect(hf_recipe, batches)
@@ -83,6 +86,7 @@ def train(out: Path, backend: str, *extra: str, wait: bool = True) -> subprocess
         "data.max_rows=96", "data.max_length=160", "objective.num_anchors=16",
         "objective.chunk_size=8", "tracking.enabled=false", "export.formats=[sglang]",
         "train.preflight_samples=0", f"target.backend={backend}", *extra,
+        *attach_key(extra, "vllm"),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,11 @@ def main(argv: list[str] | None = None) -> int:
         help="step-N checkpoint, a checkpoint root (latest complete), or an SGLang export",
     )
     parser.add_argument("--format", required=True, choices=FORMATS)
-    parser.add_argument("--out", required=True, help="output directory (replaced)")
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="output directory: new, empty, or an earlier export (replaced whole)",
+    )
     parser.add_argument(
         "--target", default=None, help="target model directory (default: recipe target.path)"
     )

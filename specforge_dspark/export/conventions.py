@@ -26,11 +26,10 @@ from specforge_dspark.drafters.dflash import DFlashConfig
 from specforge_dspark.drafters.dspark import DSparkConfig
 from specforge_dspark.drafters.registry import KINDS, kind_of_dir
 from specforge_dspark.engines.features import tap_convention
-from specforge_dspark.export import ExportError
+from specforge_dspark.export import CONVENTIONS_KEY, ExportError
 from specforge_dspark.export.source import resolve_checkpoint
 from specforge_dspark.objective.frozen_head import config_value, logical_vocab
 
-CONVENTIONS_KEY = "specforge_dspark"
 CONVENTIONS_VERSION = 1
 """Version of the conventions record; a record of another version is refused."""
 SLOT_CONVENTION = "slot k of the block anchored at position a predicts token a+k+1"

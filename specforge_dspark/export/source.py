@@ -12,6 +12,7 @@ import torch
 from specforge_dspark.config.recipe import Recipe, recipe_from_dict
 from specforge_dspark.export import ExportError
 from specforge_dspark.training import checkpoint
+from specforge_dspark.training.safe_load import safe_load, verify_step
 
 
 def resolve_checkpoint(path: Path) -> tuple[str, Path]:
@@ -73,7 +74,9 @@ def step_recipe(step: Path) -> Recipe:
 
 
 def deepspeed_weights(step: Path, zero_stage: int) -> dict[str, torch.Tensor]:
-    """The fp32 master weights when ZeRO shards hold them, else the engine's module."""
+    """The fp32 master weights when ZeRO shards hold them, else the engine's module; every
+    file of `step` passes the safe loader first (training/safe_load.py)."""
+    verify_step(step)
     if zero_stage >= 1 and any(step.glob("*zero_pp_rank_*_optim_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -84,8 +87,7 @@ def deepspeed_weights(step: Path, zero_stage: int) -> dict[str, torch.Tensor]:
             f"{step}: no {model_states.name} and no ZeRO optimizer shards (zero_stage "
             f"{zero_stage}); not a DeepSpeed checkpoint this exporter can read"
         )
-    # DeepSpeed's own file holds more than tensors (its engine state), hence weights_only=False.
-    saved = torch.load(model_states, map_location="cpu", weights_only=False)
+    saved = safe_load(model_states, map_location="cpu")
     if "module" not in saved:
         raise ExportError(f"{model_states}: no 'module' entry (the draft's state_dict)")
     return {k: v.float() for k, v in saved["module"].items()}

@@ -56,6 +56,7 @@ from specforge_dspark.training.repartition import (
     load_zero_partitions,
     resume_layout,
 )
+from specforge_dspark.training.safe_load import safe_load, verify_step
 
 __all__ = [  # what callers read from here; the step-directory helpers live in ckpt_files.py
     "CheckpointWriteError",
@@ -327,6 +328,7 @@ def load(engine, path: Path, recipe: Recipe, fingerprint: dict[str, Any]) -> Tra
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     layout = check_saved(path, recipe, world, fingerprint)
+    verify_step(path)  # DeepSpeed's loader below would run code a file holds
     load_path, _ = engine.load_checkpoint(
         str(path.parent),
         tag=path.name,
@@ -340,6 +342,6 @@ def load(engine, path: Path, recipe: Recipe, fingerprint: dict[str, Any]) -> Tra
     rank_file = path / f"rank{rank % layout.saved_world:05d}_state.pt"
     if not rank_file.is_file():
         raise ResumeError(f"{path}: missing {rank_file.name}")
-    rank_state = torch.load(rank_file, weights_only=False)
+    rank_state = safe_load(rank_file)
     set_rng_state(rank_state["rng"])
     return TrainState(**rank_state["train_state"])

@@ -111,12 +111,13 @@ def preflight(
     counters = (stream.wait_seconds, stream.bytes_out)
     ref = load_reference(recipe, reference)
     url = getattr(stream.engine, "url", None) if t.backend == "sglang" else None
+    api_key = getattr(stream.engine, "api_key", None)
     if t.backend == "offline":
         if ref is None:
             raise PreflightError("preflight: the offline backend needs the reference (target.path)")
         greedy = teacher_forced_rows(ref.model, [rows[i] for i in range(min(samples, len(rows)))])
     elif url is not None:
-        greedy = rollouts_sglang(url, prompts_from(rows, samples), NEW_TOKENS, t.timeout_s)
+        greedy = rollouts_sglang(url, prompts_from(rows, samples), NEW_TOKENS, t.timeout_s, api_key)
     elif ref is not None:
         greedy = rollouts_hf(ref.model, prompts_from(rows, samples), NEW_TOKENS)
     else:
@@ -128,9 +129,8 @@ def preflight(
     )
     budget = request_budget(recipe)
     together = _fitting(chosen, budget)
-    plan = (
-        split_plan(max(chosen, key=lambda s: len(s.input_ids)), server_chunk(url)) if url else None
-    )
+    longest = max(chosen, key=lambda s: len(s.input_ids))
+    plan = split_plan(longest, server_chunk(url, api_key)) if url else None
     plan_fits = plan is not None and not budget.refusal([len(s.input_ids) for s in plan[1]])
     batches = [[s] for s in chosen] + [together] + ([[plan[0]], plan[1]] if plan_fits else [])
     feats = [_clone(f) for f in stream.iterate(batches)]

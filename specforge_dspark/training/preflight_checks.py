@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from specforge_dspark.engines.api_key import auth_headers
 from specforge_dspark.engines.features import (
     DTYPES,
     Sample,
@@ -103,15 +104,16 @@ def rollouts_hf(model: torch.nn.Module, prompts: list[list[int]], n: int) -> lis
 
 
 def rollouts_sglang(
-    url: str, prompts: list[list[int]], n: int, timeout_s: float
+    url: str, prompts: list[list[int]], n: int, timeout_s: float, key: str | None = None
 ) -> list[GreedyRow]:
-    """Greedy continuations by the SGLang server (what it serves), with their log-probs."""
+    """Greedy continuations by the SGLang server (what it serves, API key `key`), with
+    their log-probs."""
     body = {
         "input_ids": prompts,
         "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
         "return_logprob": True,
     }
-    replies = _post(f"{url}/generate", body, timeout_s)
+    replies = _post(f"{url}/generate", body, timeout_s, key)
     rows = []
     for sid, (prompt, reply) in enumerate(zip(prompts, replies, strict=True)):
         triples = reply["meta_info"]["output_token_logprobs"]  # [logprob, token id, text]
@@ -136,17 +138,17 @@ def teacher_forced_rows(model: torch.nn.Module, samples: list[Any]) -> list[Gree
     return rows
 
 
-def _post(url: str, body: dict, timeout_s: float) -> Any:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
+def _post(url: str, body: dict, timeout_s: float, key: str | None) -> Any:
+    headers = {"Content-Type": "application/json", **auth_headers(key)}
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         return json.loads(r.read())
 
 
-def server_chunk(url: str) -> int:
+def server_chunk(url: str, key: str | None = None) -> int:
     """The server's chunked_prefill_size (<= 0: every prefill whole)."""
-    with urllib.request.urlopen(f"{url}/server_info", timeout=30.0) as r:
+    req = urllib.request.Request(f"{url}/server_info", headers=auth_headers(key))
+    with urllib.request.urlopen(req, timeout=30.0) as r:
         return int(json.loads(r.read()).get("chunked_prefill_size") or -1)
 
 

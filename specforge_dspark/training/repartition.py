@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from specforge_dspark.training.safe_load import safe_load
+
 FP32 = "single_partition_of_fp32_groups"
 BASE = "base_optimizer_state"
 
@@ -102,7 +104,7 @@ def _shard_rank(f: Path) -> int:
 def read_shards(path: Path) -> list[dict]:
     """Every rank's ZeRO optimizer state dict (memory-mapped: only what is sliced is read)."""
     return [
-        torch.load(f, map_location="cpu", weights_only=False, mmap=True)["optimizer_state_dict"]
+        safe_load(f, map_location="cpu", mmap=True)["optimizer_state_dict"]
         for f in shard_files(path)
     ]
 

@@ -50,20 +50,23 @@ def bench_recipe(target: str, output_dir: str, max_length: int):
     )
 
 
-def _get_json(url: str) -> dict:
+def _get_json(url: str, key: str | None) -> dict:
     import urllib.request
 
-    with urllib.request.urlopen(url, timeout=30) as r:
+    from specforge_dspark.engines.api_key import auth_headers
+
+    req = urllib.request.Request(url, headers=auth_headers(key))
+    with urllib.request.urlopen(req, timeout=30) as r:
         return json.loads(r.read())
 
 
-def _plain(url: str, ids: list[int]) -> None:
+def _plain(url: str, key: str | None, ids: list[int]) -> None:
     """A prefill without capture: the same ids, one new token, no hidden states."""
     from specforge_dspark.engines.features import post_json
 
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
     fut: Future = Future()
-    post_json(f"{url}/generate", json.dumps(body).encode(), 600.0, fut)
+    post_json(f"{url}/generate", json.dumps(body).encode(), 600.0, fut, key)
     fut.result()
 
 
@@ -100,14 +103,15 @@ def bench_main(argv: list[str] | None = None) -> int:
         try:
             t0 = time.monotonic()
             engine.wait_ready()
-            longest = _get_json(f"{engine.url}/server_info")["max_req_input_len"] - 1
+            info = _get_json(f"{engine.url}/server_info", engine.api_key)
+            longest = info["max_req_input_len"] - 1
             S = min(a.seq_len or longest, longest)
             log(f"server ready in {time.monotonic() - t0:.0f}s; prefills of {S} tokens")
             ids = torch.randint(10, 1000, (1, S), generator=torch.Generator().manual_seed(0))
             batch = PaddedBatch([0], ids, torch.ones_like(ids), torch.tensor([S]))
             runs = {
                 "with": lambda i: _captured(engine, i, batch),
-                "without": lambda i: _plain(engine.url, ids[0].tolist()),
+                "without": lambda i: _plain(engine.url, engine.api_key, ids[0].tolist()),
             }
             times: dict[str, list[float]] = {"with": [], "without": []}
             for i in range(a.repeats + 1):  # round 0 warms both up
