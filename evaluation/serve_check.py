@@ -40,7 +40,7 @@ from specforge_dspark.decoding.prompts import load_conversations, parse_workload
 from specforge_dspark.decoding.spec_decode import Generation, speculative_generate
 from specforge_dspark.drafters.registry import KINDS, kind_of_dir
 from specforge_dspark.engines.inkling_layout import needs_radix_cache, sglang_layout
-from specforge_dspark.engines.server import cli_flag
+from specforge_dspark.engines.launch import cli_flag
 from specforge_dspark.engines.sglang import ServerProcess, cpu_engine_args
 from specforge_dspark.export.conventions import check_conventions
 

@@ -35,7 +35,7 @@ from specforge_dspark.decoding.hf_target import HFTarget
 from specforge_dspark.decoding.loading import DTYPES, check_pair, head_fns, load_drafter
 from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
 from specforge_dspark.decoding.spec_decode import Generation, speculative_generate
-from specforge_dspark.engines.server import cli_flag
+from specforge_dspark.engines.launch import cli_flag
 from specforge_dspark.engines.vllm import CPU_SERVER_ARGS, VLLMServerProcess, healthy
 
 START_TIMEOUT_S = 600.0

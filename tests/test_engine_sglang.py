@@ -18,8 +18,9 @@ import torch
 
 from specforge_dspark.config.recipe import load_recipe
 from specforge_dspark.engines.features import TargetGone, TargetLost, TargetRefused
+from specforge_dspark.engines.launch import launch_env
 from specforge_dspark.engines.served import ServedEngine
-from specforge_dspark.engines.server import EngineServer, launch_env
+from specforge_dspark.engines.server import EngineServer
 from specforge_dspark.engines.sglang import launch_args, request_body
 from specforge_dspark.engines.sglang_plugin import append_prefill_hidden_states
 from specforge_dspark.engines.shm import SHM_DIR
@@ -206,7 +207,7 @@ def test_unreachable_server_fails_at_start_up(tiny_target_dir):
 
 def test_a_server_interpreter_without_sglang_or_our_plugin_is_named(tmp_path):
     """The server's environment is checked before it starts (target.sglang.python)."""
-    from specforge_dspark.engines.server import engine_python
+    from specforge_dspark.engines.launch import engine_python
     from specforge_dspark.engines.sglang import ServerProcess
 
     key = "target.sglang.python"
@@ -301,7 +302,7 @@ def test_cpu_engine_ranks_get_their_own_cores():
     """SGLANG_CPU_OMP_THREADS_BIND for a CPU-engine server of tp x dp x pp ranks: the
     cores split into contiguous groups, each capped at OMP_NUM_THREADS where that is set
     (vLLM's CPU worker the same); fewer cores than ranks is refused naming why."""
-    from specforge_dspark.engines.server import cpu_thread_binding
+    from specforge_dspark.engines.launch import cpu_thread_binding
     from specforge_dspark.engines.sglang import server_env, server_ranks
     from specforge_dspark.engines.vllm import server_env as vllm_env
 

@@ -31,7 +31,7 @@ class FakeServer:
 
     engine = "sglang"
     identity_path = ""  # no model check unless a test sets one
-    identity = staticmethod(SGLangEngine.identity)
+    identity_fields = SGLangEngine.identity_fields
 
     def __init__(self, recipe, rank, world_size, num_slots, shared=None, index=0):
         s = recipe.target.sglang

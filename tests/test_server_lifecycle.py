@@ -27,13 +27,13 @@ import psutil
 import pytest
 
 from specforge_dspark.config.recipe import recipe_from_dict
+from specforge_dspark.engines.launch import launch_env
 from specforge_dspark.engines.server import (
     EngineServer,
     ServerKeeper,
     group_running,
     http_ok,
     kill_group,
-    launch_env,
     pid_file_current,
 )
 from tests.faults_helpers import kill_job, ranks

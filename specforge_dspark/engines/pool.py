@@ -26,7 +26,7 @@ waits for the first lost one as a single server's run does: a started one within
 target.max_restarts, an attached one within startup_timeout_s, then stops (TargetGone,
 resumable: run_status.json) naming it.
 
-One model: every member must serve what the first serves (the engine's `identity`:
+One model: every member must serve what the first serves (the engine's `identity_fields`:
 SGLang's model path, dtype and quantization from /server_info), checked when the pool
 starts and when a member rejoins; a member that serves another is refused, naming both.
 """
@@ -68,7 +68,7 @@ def member_recipes(recipe, engine: str) -> list:
 
 def gpus_per_server(section) -> int:
     """tp x dp x pp of a server section's server_args (sglang.server_ranks of its flags)."""
-    from specforge_dspark.engines.server import cli_flag
+    from specforge_dspark.engines.launch import cli_flag
     from specforge_dspark.engines.sglang import server_ranks
 
     return server_ranks([f for k, v in section.server_args.items() for f in cli_flag(k, v)])
@@ -168,7 +168,8 @@ class ServerPool:
         """ValueError when `member` serves another model than the pool's first member."""
         if not member.identity_path:
             return
-        said = member.identity(_get_json(f"{member.url}{member.identity_path}", member.api_key))
+        info = _get_json(f"{member.url}{member.identity_path}", member.api_key)
+        said = {key: info.get(key) for key in member.identity_fields}
         if self.model is None:
             self.model = {"server": member.url, **said}
             return

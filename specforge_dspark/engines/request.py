@@ -10,7 +10,7 @@ import torch
 
 from specforge_dspark.engines.features import PaddedBatch, TargetFeatures
 from specforge_dspark.engines.shm import DTYPE_CODES, ShmSlot, SlotViews
-from specforge_dspark.engines.tickets import PENDING, Ticket, new_nonce
+from specforge_dspark.engines.tickets import DONE, FAILED, PENDING, WRITER_FAILED, Ticket, new_nonce
 
 
 def issue_tickets(slot: ShmSlot, batch: PaddedBatch, fresh: bool = False) -> SlotViews:
@@ -75,3 +75,19 @@ def reach_hint(slot: ShmSlot) -> str:
         f"{exposer.peer} ({exposer.protocol}): can it reach that address "
         "(target.mooncake.host)? its log names the failed transfer"
     )
+
+
+def ticket_state(slot: ShmSlot, b: int, rows: int) -> tuple[str, str]:
+    """Sequence b's ticket now, with the writer's reason: ("done", "") once all `rows`
+    rows are written; ("lost", reason) when the writer failed (tickets.WRITER_FAILED: the
+    server is counted lost); ("refused", reason) when it refused the request (its rows
+    disagree with it); else ("pending", ""), also for a late writer's answer to an earlier
+    request (another nonce than the one issued)."""
+    t = slot.read_ticket(b)
+    if t is None or t.nonce != slot.issued.get(b):
+        return "pending", ""
+    if t.status == DONE and t.written == rows:
+        return "done", ""
+    if t.status == FAILED:
+        return ("lost" if t.error.startswith(WRITER_FAILED) else "refused"), t.error
+    return "pending", ""

@@ -1,24 +1,21 @@
 """The trainer side of a served engine (SGLang, vLLM, the next transport), for one rank.
 
-A served engine is a live server the features come from through the rank's slots
-(shm.py; written in place, or through Mooncake with target.transport mooncake) and
-tickets (tickets.py). What every such engine does the same lives here, in
-`ServedEngine`: the rank's slots; the server the node's local rank 0 starts
-(`<output_dir>/<engine>_server_rank<r>.log`, its pid in `..._rank<r>.pid` for the node's
-other ranks; server i > 0 of target.<engine>.servers_per_node: `<engine>_server<i>_...`),
-under a `server.ServerKeeper`, or an attached one (`target.<engine>.url`);
-readiness (the health URL, then one probe request through the whole path); issuing a
-ticket per sequence; waiting for the reply against the caller's deadline while watching
-the server; checking the reply and the tickets; restarting a dead or hung server. An
-engine module subclasses it with what only that engine knows: the server it launches,
-how a batch becomes requests (`post`), and what its rows still need (`finish`).
+Features come from a live server through the rank's slots (shm.py; in place, or through
+Mooncake) and tickets (tickets.py). `ServedEngine` does what every such engine does the
+same: the slots; the server the node's local rank 0 starts under a `server.ServerKeeper`
+(log `<output_dir>/<engine>_server<i>_rank<r>.log`, pid in `..._rank<node>.pid` for the
+node's other ranks, i > 0 only with target.<engine>.servers_per_node) or an attached one
+(`target.<engine>.url`); readiness (the health URL, then one probe through the whole
+path); tickets; the reply against the caller's deadline while watching the server; the
+tickets' check; restarts. An engine module subclasses it with what only it knows: its
+server's launch, how a batch becomes requests (`post`), what its rows still need (`finish`).
 
 Restarts (`restart()`, called by the stream, which then re-sends what was in flight): a
-server still running is hung, so this rank kills its process group (pid from the pid
-file); the keeper of the rank that started it starts it again on the same port; every
-rank waits until it answers (`target.<engine>.startup_timeout_s`). Attached servers are
-not ours: the trainer waits for them to answer again, or stops with the error that ended
-the wait. An engine whose servers are not restarted sets `restart = None`.
+hung server's process group is killed (pid from the pid file), the keeper of the rank that
+started it starts it again on the same port, and every rank waits until it answers
+(`target.<engine>.startup_timeout_s`); an attached server is waited for, or the run stops
+with the error that ended the wait. An engine whose servers are not restarted sets
+`restart = None`.
 
 What counts as a lost server (TargetLost: restart, or failover in a pool.py pool): no
 connection, its process gone (exited; for a rank that did not start it, its pid file
@@ -65,6 +62,7 @@ from specforge_dspark.engines.request import (
     issue_tickets,
     reach_hint,
     slot_features,
+    ticket_state,
 )
 from specforge_dspark.engines.server import (
     EngineServer,
@@ -84,7 +82,6 @@ from specforge_dspark.engines.slot_budget import (
     sweep_stale_slots,
     wire_dtype,
 )
-from specforge_dspark.engines.tickets import DONE, FAILED, WRITER_FAILED
 
 POLL_S = 0.2  # how often a wait looks at the server and the tickets
 HEALTH_POLL_S = 0.5
@@ -102,14 +99,9 @@ class ServedEngine:
     """The server's health URL path: 200 once it serves."""
     no_features_hint = ""
     """What to check when the server answered but wrote nothing (after 'wrote no features')."""
-    identity_path = ""
-    """GET path whose JSON says what the server serves ("": the engine does not say)."""
-
-    @staticmethod
-    def identity(info: dict[str, Any]) -> dict[str, Any]:
-        """The fields of the `identity_path` answer that name the served model (pool.py
-        compares them across a pool's servers)."""
-        return {}
+    identity_path, identity_fields = "", ()
+    """GET path whose JSON says what the server serves, and its fields that name the model
+    (pool.py compares them across a pool's servers; "": the engine does not say)."""
 
     def __init__(
         self, recipe, rank: int, num_slots: int, restarts: bool, shared=None, index: int = 0
@@ -388,17 +380,15 @@ class ServedEngine:
         the writer failed (tickets.WRITER_FAILED) or nothing came by the deadline;
         RuntimeError when the writer refused the request (its rows disagree with it)."""
         while True:
-            t = slot.read_ticket(b)
-            if t is not None and t.nonce != slot.issued.get(b):
-                t = None  # a late writer's answer to an earlier request: not this one's
-            if t is not None and t.status == DONE and t.written == rows:
+            state, error = ticket_state(slot, b, rows)
+            if state == "done":
                 return
-            if t is not None and t.status == FAILED:
-                if t.error.startswith(WRITER_FAILED):
-                    raise TargetLost(
-                        f"{self.name} could not write {what} into slot {slot.location}: {t.error}"
-                    )
-                raise RuntimeError(f"{self.name} could not capture {what}: {t.error}")
+            if state == "lost":
+                raise TargetLost(
+                    f"{self.name} could not write {what} into slot {slot.location}: {error}"
+                )
+            if state == "refused":
+                raise RuntimeError(f"{self.name} could not capture {what}: {error}")
             self._check_server(f"the wait for {what}")
             if time.monotonic() >= deadline:
                 # the install hint only while the server never wrote: later, a rank failed

@@ -30,15 +30,15 @@ from specforge_dspark.engines import mooncake
 from specforge_dspark.engines.api_key import KEY_ENV
 from specforge_dspark.engines.features import PaddedBatch, check_layer_ids, post_json
 from specforge_dspark.engines.inkling_layout import needs_radix_cache, sglang_layout
-from specforge_dspark.engines.served import ServedEngine
-from specforge_dspark.engines.server import (
-    EngineServer,
+from specforge_dspark.engines.launch import (
     cli_flag,
     cpu_thread_binding,
     engine_python,
     launch_env,
     prepend_path,
 )
+from specforge_dspark.engines.served import ServedEngine
+from specforge_dspark.engines.server import EngineServer
 from specforge_dspark.engines.sglang_plugin import PLUGIN_NAME, make_rid
 from specforge_dspark.engines.shm import ShmSlot
 
@@ -121,7 +121,7 @@ def server_env(
     ranks: int = 1,
     cores: list[int] | None = None,
 ) -> dict[str, str]:
-    """The environment of a server we start (server.launch_env): our plugin allowed, and
+    """The environment of a server we start (launch.launch_env): our plugin allowed, and
     for the CPU engine `SGLANG_USE_CPU_ENGINE=1` with the import shims first on PYTHONPATH
     (inherited by the scheduler and detokenizer processes it spawns). A GPU server gets
     neither: nothing of engines/cpu/ reaches it."""
@@ -216,6 +216,7 @@ class SGLangEngine(ServedEngine):
     engine = "sglang"
     health_path = "/health_generate"
     identity_path = "/server_info"  # the resolved server args (and live scheduler state)
+    identity_fields = ("model_path", "dtype", "quantization")
     no_features_hint = (
         ": is specforge_dspark installed in the server's environment (entry point "
         f"sglang.srt.plugins:{PLUGIN_NAME}) and not excluded by SGLANG_PLUGINS?"
@@ -226,10 +227,6 @@ class SGLangEngine(ServedEngine):
     ):
         self._args: list[str] | None = None
         super().__init__(recipe, rank, num_slots, restarts=True, shared=shared, index=index)
-
-    @staticmethod
-    def identity(info: dict[str, Any]) -> dict[str, Any]:
-        return {key: info.get(key) for key in ("model_path", "dtype", "quantization")}
 
     def launch(self, log_path: Path) -> ServerProcess:
         if self._args is None:  # once, by the starting rank only (it may convert Inkling)

@@ -37,16 +37,15 @@ from typing import Any
 import torch
 
 from specforge_dspark.engines.features import PaddedBatch, post_json, read_target_config
-from specforge_dspark.engines.served import ServedEngine
-from specforge_dspark.engines.server import (
-    EngineServer,
+from specforge_dspark.engines.launch import (
     cli_flag,
     cpu_thread_binding,
     engine_python,
-    http_ok,
     launch_env,
     prepend_path,
 )
+from specforge_dspark.engines.served import ServedEngine
+from specforge_dspark.engines.server import EngineServer, http_ok
 from specforge_dspark.engines.shm import ShmSlot, SlotViews
 
 CONNECTOR_MODULE = "specforge_dspark.engines.vllm_connector"
@@ -113,7 +112,7 @@ def launch_args(recipe, num_layers: int) -> list[str]:
 def server_env(
     cpu: bool, triton_interpreter: bool = False, base: dict[str, str] | None = None
 ) -> dict[str, str]:
-    """The environment of a vLLM server we start (server.launch_env). On CPU: a small KV
+    """The environment of a vLLM server we start (launch.launch_env). On CPU: a small KV
     cache, and with `triton_interpreter` (vLLM's V2 model runner, the one with DSpark)
     TRITON_INTERPRET=1 and the shims of cpu/shims/vllm_cpu/ first on PYTHONPATH
     (inherited by the engine-core and worker processes), whose sitecustomize registers the
