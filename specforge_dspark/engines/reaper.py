@@ -60,6 +60,8 @@ def server_gone(pid: int | None, old: int, look_at_group: bool) -> str:
 def kill_group(pgid: int, wait_s: float = 10.0) -> None:
     """SIGKILL process group `pgid` (a stopped one too) and wait until none of its
     processes runs (zombies left to their parent do not count)."""
+    if pgid <= 0:  # killpg(0) is the caller's own group: never a server's
+        return
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         try:
@@ -73,6 +75,8 @@ def kill_group(pgid: int, wait_s: float = 10.0) -> None:
 
 def end_group(pgid: int) -> None:
     """SIGTERM the group, SIGKILL what is left after TERM_WAIT_S."""
+    if pgid <= 0:
+        return
     try:
         os.killpg(pgid, signal.SIGTERM)
     except (ProcessLookupError, PermissionError):
