@@ -43,6 +43,13 @@ def test_hf_recipes_have_no_server_args_to_check(capsys):
     assert "server_args" not in capsys.readouterr().out
 
 
+def test_a_missing_engine_venv_is_named_with_the_make_target_that_makes_it(capsys):
+    argv = ["--recipe", TINY_SGLANG, "--dry-run", "target.backend=vllm"]
+    assert train.main([*argv, "target.vllm.python=/nowhere/bin/python"]) == 0  # ours lacks vLLM
+    out = capsys.readouterr().out
+    assert "not checked by vLLM" in out and "`make vllm-venv` makes the environment" in out
+
+
 @pytest.mark.slow
 @pytest.mark.server  # the engines' own venvs (make test installs them)
 @pytest.mark.parametrize(

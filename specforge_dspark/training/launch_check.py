@@ -99,7 +99,10 @@ def check_launch_args(recipe: Recipe) -> list[str]:
             )
         tried.append(python)
     where = " nor ".join(tried) or f"target.{engine}.python ({server.python})"
-    return [f"server_args: not checked by {name} (it imports neither at {where})"]
+    return [
+        f"server_args: not checked by {name} (it imports neither at {where}; "
+        f"`make {engine}-venv` makes the environment target.{engine}.python names by default)"
+    ]
 
 
 def _launch_args(recipe: Recipe) -> list[str]:
