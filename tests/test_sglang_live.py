@@ -6,9 +6,9 @@ the same losses on either backend, and the same losses and weights with the feat
 written over Mooncake TCP by a server on another loopback address; a pool of two servers
 feeding two ranks loses one mid-run and the ranks still train the same samples in order;
 a server killed mid-run with target.max_restarts=0 fails the job naming the server, on
-seeing the death (before the request deadline target.timeout_s), and `--resume auto` then finishes with the losses and weights of an uninterrupted
-run; with restarts, a server SIGKILLed and later SIGSTOPped mid-run is brought back and
-the run trains the same samples with the same losses, under a dist.timeout_s (450 s) no
+seeing the death (before the request deadline target.timeout_s), and `--resume auto` then
+finishes with the losses and weights of an uninterrupted run; with restarts, a server
+SIGKILLed and later SIGSTOPped mid-run is brought back and the run trains the same samples with the same losses, under a dist.timeout_s (450 s) no
 longer than the recipe rule allows (config/validate.py): no rank's collective times out
 while the server restarts.
 """
