@@ -8,9 +8,10 @@ feeding two ranks loses one mid-run and the ranks still train the same samples i
 a server killed mid-run with target.max_restarts=0 fails the job naming the server, on
 seeing the death (before the request deadline target.timeout_s), and `--resume auto` then
 finishes with the losses and weights of an uninterrupted run; with restarts, a server
-SIGKILLed and later SIGSTOPped mid-run is brought back and the run trains the same samples with the same losses, under a dist.timeout_s (450 s) no
-longer than the recipe rule allows (config/validate.py): no rank's collective times out
-while the server restarts.
+SIGKILLed and later SIGSTOPped mid-run is brought back and the run trains the same
+samples with the same losses, under a dist.timeout_s (450 s) no longer than the recipe
+rule allows (config/validate.py): no rank's collective times out while the server
+restarts.
 """
 
 from __future__ import annotations
