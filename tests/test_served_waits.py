@@ -67,11 +67,8 @@ def test_a_writer_error_fails_the_ticket_and_the_trainer_counts_the_server_lost(
 
     monkeypatch.setattr(SlotAccess, "regions", transfer_fails)
     slot = ShmSlot("writerr", aux_width=6, hidden=4, dtype=torch.float32)
-    ids = torch.ones(1, 3, dtype=torch.long)
     try:
-        issue_tickets(slot, PaddedBatch([1], ids, ids, torch.tensor([3])))
-        nonce = slot.read_ticket(0).nonce
-        write_features(str(slot.path), 0, nonce, 0, torch.ones(3, 6), torch.ones(3, 4))
+        _write_one(slot, aux_width=6)
         t = slot.read_ticket(0)
         reason = "RuntimeError: Mooncake write of 96 bytes failed (status -1)"
         assert t.status == FAILED and t.error == WRITER_FAILED + reason
@@ -87,11 +84,8 @@ def test_a_writer_error_fails_the_ticket_and_the_trainer_counts_the_server_lost(
 
 def test_a_request_the_writer_refuses_stops_the_run_instead():
     slot = ShmSlot("refused", aux_width=6, hidden=4, dtype=torch.float32)
-    ids = torch.ones(1, 3, dtype=torch.long)
     try:
-        issue_tickets(slot, PaddedBatch([1], ids, ids, torch.tensor([3])))
-        nonce = slot.read_ticket(0).nonce
-        write_features(str(slot.path), 0, nonce, 0, torch.ones(3, 5), torch.ones(3, 4))
+        _write_one(slot, aux_width=5)  # the trainer's slot is 6 wide
         with pytest.raises(RuntimeError, match="aux width 5 / hidden 4, trainer expects 6") as e:
             _waiter(timeout_s=3600)._wait_ticket(slot, 0, 3, time.monotonic() + 3600, "b 0")
         assert not isinstance(e.value, TargetLost)
@@ -175,3 +169,12 @@ def test_a_rank_that_did_not_start_the_server_sees_its_first_start_fail_at_once(
         f"http://127.0.0.1:9 (pid {group.pid}) exited in start-up; last log lines "
         f"({engine.log_path}):\nloading weights\ntorch.OutOfMemoryError"
     )
+
+
+def _write_one(slot: ShmSlot, aux_width: int) -> None:
+    """Issue one 3-token request in `slot` and have the writer hand it rows of
+    `aux_width` aux columns (and hidden 4), as a server does."""
+    ids = torch.ones(1, 3, dtype=torch.long)
+    issue_tickets(slot, PaddedBatch([1], ids, ids, torch.tensor([3])))
+    nonce = slot.read_ticket(0).nonce
+    write_features(str(slot.path), 0, nonce, 0, torch.ones(3, aux_width), torch.ones(3, 4))
