@@ -37,7 +37,7 @@ export VLLM_NO_USAGE_STATS := 1
 export PYTHONUNBUFFERED := 1
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup mooncake-libs vllm-venv sglang-venv demo quality bakeoff test test-quick lint format bench tiny-target tiny-targets clean
+.PHONY: setup mooncake-libs vllm-venv sglang-venv demo quality bakeoff test test-quick lint format bench tiny-target tiny-targets clean clean-runs
 
 setup: $(STAMP)
 
@@ -148,9 +148,14 @@ format: setup
 bench: setup sglang-venv tiny-targets mooncake-libs
 	$(PY) -m specforge_dspark.cli.bench all
 
+# Caches only: runs/ holds your trained drafters and checkpoints (`make clean-runs`).
 clean:
-	rm -rf runs .cache .pytest_cache .ruff_cache
+	rm -rf .cache .pytest_cache .ruff_cache
 	find . -name __pycache__ -prune -exec rm -rf {} +
+
+clean-runs:
+	@read -r -p "delete runs/ (every run's checkpoints and exports)? [y/N] " ok && [ "$$ok" = y ]
+	rm -rf runs
 
 distclean: clean
 	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV)
