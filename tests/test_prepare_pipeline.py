@@ -13,7 +13,8 @@ import pytest
 from data_pipelines import prepare as prep
 from data_pipelines.prepare import load_prepared, main, prepare_dataset
 from data_pipelines.render import load_tokenizer
-from specforge_dspark.config.recipe import load_recipe, recipe_from_dict
+from specforge_dspark.config.recipe import load_recipe as load_any_recipe
+from specforge_dspark.config.recipe import recipe_from_dict
 
 DATA = Path(__file__).parent / "data"
 
@@ -177,3 +178,9 @@ def test_cli_module_runs_with_progress_and_num_proc(tmp_path, tiny_target_dir, r
     assert "row/s" in proc.stderr or "s/row" in proc.stderr  # tqdm rate (and ETA) shown
     single = prepare_dataset(load_recipe(recipe, ["data.num_proc=1"]), progress=False)
     assert load_prepared(out)["input_ids"] == single["input_ids"]
+
+
+def load_recipe(path, overrides=None):
+    """A data-preparation recipe (target and data sections), read as the data pipelines
+    read it: without the sections only training needs."""
+    return load_any_recipe(path, overrides, required={})

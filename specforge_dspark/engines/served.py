@@ -11,20 +11,17 @@ tickets' check; restarts. An engine module subclasses it with what only it knows
 server's launch, how a batch becomes requests (`post`), what its rows still need (`finish`).
 
 Restarts (`restart()`, called by the stream, which then re-sends what was in flight): a
-hung server's process group is killed (pid from the pid file), the keeper of the rank that
-started it starts it again on the same port, and every rank waits until it answers
-(`target.<engine>.startup_timeout_s`); an attached server is waited for, or the run stops
-with the error that ended the wait. An engine whose servers are not restarted sets
-`restart = None`.
+hung server's group is killed (pid file), the starting rank's keeper starts it again on
+the same port, every rank waits until it answers (startup_timeout_s); an attached server
+is waited for, else the run stops with the error. No restarts: `restart = None`.
 
-What counts as a lost server (TargetLost: restart, or failover in a pool.py pool): no
-connection, its process gone (exited; for a rank that did not start it, its pid file
-names another pid or its process group has no live process), a ticket its writer failed
-(tickets.WRITER_FAILED), or no features by the deadline (at least WRITE_GRACE_S after a
-reply). No reply by the deadline is a TimeoutError, handled alike. A request the server
-or its writer refused stops the run (RuntimeError); a server that never served once ends
-it refused (TargetRefused). A slot whose request was given up is renewed before its next
-request (`submit`), so a late writer never touches what a later request reads.
+Lost (TargetLost: restart, or failover in a pool.py pool): no connection, its process
+gone (exited; or its pid file names another pid, or its group has no live process), a
+ticket its writer failed (tickets.WRITER_FAILED), no features by the deadline (at least
+WRITE_GRACE_S after a reply); no reply by then is a TimeoutError, handled alike. A
+refused request stops the run (RuntimeError); a server that never served once ends it
+refused (TargetRefused). A slot whose request was given up is renewed before its next
+request (`submit`): a late writer never touches what a later request reads.
 """
 
 from __future__ import annotations
@@ -147,15 +144,9 @@ class ServedEngine:
         if self.pid_file is not None and local_rank == 0:
             self.api_key = started_key(section, self.engine)
             write_key_file(self.key_file, self.api_key)  # before the server and its pid file
-            self.keeper = ServerKeeper(
-                lambda: self.launch(self.log_path),
-                self.pid_file,
-                self.healthy,
-                recipe,
-                rank,
-                self.url,
-                self.engine,
-            )
+            launch = lambda: self.launch(self.log_path)  # noqa: E731
+            keeper = (launch, self.pid_file, self.healthy, recipe, rank, self.url, self.engine)
+            self.keeper = ServerKeeper(*keeper)
         self._ready = False
         self._server_pid: int | None = None  # the server the requests in flight went to
         self._failure = ""  # the first line of the last failed request's error

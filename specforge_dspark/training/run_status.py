@@ -90,8 +90,8 @@ class RunStatus:
             "stale_after_s": STALE_AFTER_S,
             "ranks": {},
         }
-        self._update(lambda _: body, fresh=True)
-        threading.Thread(target=self._keep_beating, name="run-status", daemon=True).start()
+        if self._update(lambda _: body, fresh=True):  # an unwritable file warned once
+            threading.Thread(target=self._keep_beating, name="run-status", daemon=True).start()
 
     def _keep_beating(self) -> None:
         def beat(body: dict[str, Any]) -> dict[str, Any]:
@@ -167,7 +167,9 @@ class RunStatus:
 
         self._update(record)
 
-    def _update(self, change, fresh: bool = False) -> None:
+    def _update(self, change, fresh: bool = False) -> bool:
+        """Apply `change` to the file's content under its lock; False (after a warning)
+        when it cannot be written."""
         lock_path = self.path.with_name(RUN_STATUS + ".lock")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -180,6 +182,8 @@ class RunStatus:
                 os.replace(tmp, self.path)
         except OSError as e:
             print(f"warning: could not write {self.path}: {e}", file=sys.stderr, flush=True)
+            return False
+        return True
 
 
 def read_run_status(path: str | Path) -> dict[str, Any]:
