@@ -237,3 +237,16 @@ def trained_export(tiny_qwen3_dir, tmp_path_factory) -> Path:
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     return out / "export" / "sglang"
+
+
+@pytest.fixture
+def writer_maps(monkeypatch):
+    """A fresh slot_writer.SLOTS for the test (the writer side's mappings, a server's, here
+    in this process), closed after it: on CUDA they are pinned, and a pinned mapping must
+    not outlive its test."""
+    from specforge_dspark.engines.slot_writer import SlotMaps
+
+    maps = SlotMaps()
+    monkeypatch.setattr("specforge_dspark.engines.slot_writer.SLOTS", maps)
+    yield maps
+    maps.close()

@@ -20,7 +20,7 @@ from specforge_dspark.engines.features import PaddedBatch, TargetLost, TargetRef
 from specforge_dspark.engines.request import issue_tickets
 from specforge_dspark.engines.served import ServedEngine
 from specforge_dspark.engines.shm import ShmSlot
-from specforge_dspark.engines.slot_writer import SlotAccess, SlotMaps, write_features
+from specforge_dspark.engines.slot_writer import SlotAccess, write_features
 from specforge_dspark.engines.tickets import DONE, FAILED, WRITER_FAILED
 
 
@@ -56,11 +56,11 @@ def _waiter(timeout_s: float, pid_file=None, server_pid=None) -> ServedEngine:
     return engine
 
 
+@pytest.mark.usefixtures("writer_maps")  # the writer's mappings closed after it
 def test_a_writer_error_fails_the_ticket_and_the_trainer_counts_the_server_lost(monkeypatch):
     """Any error inside the writer (here a failed transfer) marks the ticket FAILED as the
     writer's, with the reason; the trainer raises TargetLost (restart, failover) naming
     the server, the slot and the reason, from the ticket, long before its deadline."""
-    monkeypatch.setattr("specforge_dspark.engines.slot_writer.SLOTS", SlotMaps())
 
     def transfer_fails(self, regions):
         raise RuntimeError("Mooncake write of 96 bytes failed (status -1)")
@@ -93,11 +93,11 @@ def test_a_request_the_writer_refuses_stops_the_run_instead():
         slot.close()
 
 
+@pytest.mark.usefixtures("writer_maps")  # the writer's mappings closed after it
 def test_a_reply_at_the_deadline_still_leaves_the_writer_time(monkeypatch):
     """The reply comes when the deadline has already passed (a loaded server) and the
     writer rank writes a moment later: the tickets get their own allowance after the
     reply, so the features are taken, not refused for the reply's lateness."""
-    monkeypatch.setattr("specforge_dspark.engines.slot_writer.SLOTS", SlotMaps())
     slot = ShmSlot("replylate", aux_width=6, hidden=4, dtype=torch.float32)
     ids = torch.ones(1, 3, dtype=torch.long)
     batch = PaddedBatch([1], ids, ids, torch.tensor([3]))

@@ -23,7 +23,7 @@ from specforge_dspark.engines.features import PaddedBatch, TargetFeatures
 from specforge_dspark.engines.request import issue_tickets
 from specforge_dspark.engines.shm import DTYPE_CODES, ShmSlot, SlotLayout
 from specforge_dspark.engines.slot_budget import make_slots
-from specforge_dspark.engines.slot_writer import SlotAccess, SlotMaps, fail, write_features
+from specforge_dspark.engines.slot_writer import SlotAccess, fail, write_features
 from specforge_dspark.engines.tickets import DONE, PENDING, Ticket
 
 Usage = namedtuple("Usage", "total used free")
@@ -33,6 +33,9 @@ def _recipe(max_length: int = 4096, micro: int = 1):
     return recipe_from_dict(
         {"data": {"max_length": max_length}, "train": {"micro_batch_size": micro}}
     )
+
+
+pytestmark = pytest.mark.usefixtures("writer_maps")  # pinning tests find nothing left over
 
 
 def test_too_small_shm_fails_at_start_up_with_the_size_needed(monkeypatch):
@@ -70,9 +73,8 @@ def _ticketed(slot: ShmSlot, S: int, nonce: int = 7) -> None:
     slot.write_ticket(0, t)
 
 
-def test_a_producer_maps_a_slot_once_and_again_when_the_file_is_replaced(monkeypatch):
-    maps = SlotMaps()
-    monkeypatch.setattr("specforge_dspark.engines.slot_writer.SLOTS", maps)
+def test_a_producer_maps_a_slot_once_and_again_when_the_file_is_replaced(writer_maps):
+    maps = writer_maps
     slot = ShmSlot("mapstest", aux_width=6, hidden=4, dtype=torch.float32)
     try:
         views = slot.prepare([3])
@@ -101,7 +103,6 @@ def test_a_producer_maps_a_slot_once_and_again_when_the_file_is_replaced(monkeyp
 
 
 def test_a_late_writer_after_a_timeout_and_slot_reuse_writes_nothing(monkeypatch):
-    monkeypatch.setattr("specforge_dspark.engines.slot_writer.SLOTS", SlotMaps())
     slot = ShmSlot("noncetest", aux_width=6, hidden=4, dtype=torch.float32)
     ids = torch.ones(1, 3, dtype=torch.long)
     batch = PaddedBatch([1], ids, ids, torch.tensor([3]))
@@ -130,7 +131,6 @@ def test_a_late_writer_cannot_change_a_byte_of_the_slot_the_resent_request_uses(
     after the trainer gave up and re-sent the request: the re-send went to a fresh file
     (`fresh`, what ServedEngine.submit asks for a slot not taken back), so the writer's
     rows and ticket land only in the old one."""
-    monkeypatch.setattr("specforge_dspark.engines.slot_writer.SLOTS", SlotMaps())
     slot = ShmSlot("latewriter", aux_width=6, hidden=4, dtype=torch.float32)
     ids = torch.ones(2, 3, dtype=torch.long)
     batch = PaddedBatch([1, 2], ids, ids, torch.tensor([3, 3]))
