@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(REPO)
     t0 = time.time()
     from evaluation.compute import step_flops
+    from evaluation.figures import provenance
     from evaluation.report import write_comparison_plot
     from specforge_dspark.config.recipe import load_recipe
     from specforge_dspark.tiny.target import build
@@ -174,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         "max_new_tokens": a.max_new_tokens,
         "eval_seconds": round(eval_seconds, 1),
         "seconds": round(time.time() - t0, 1),
+        "provenance": provenance(
+            ["python", "scripts/bakeoff.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     write_comparison_plot(results, out / "summary.png")

@@ -256,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from evaluation.figures import provenance
     from evaluation.report import write_comparison_plot
     from specforge_dspark.config.recipe import load_recipe, resolved_dirs
     from specforge_dspark.tiny.target import build
@@ -362,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         "max_new_tokens": a.max_new_tokens,
         "split_seconds": {k: round(v, 1) for k, v in split.items()},
         "seconds": round(time.time() - t0, 1),
+        "provenance": provenance(
+            ["python", "scripts/demo.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     write_comparison_plot(results, out / "summary.png")  # the pooled answer, one picture

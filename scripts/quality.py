@@ -76,7 +76,8 @@ def regenerated(recipe: str, target: Path) -> Path:
         sys.executable, "-m", "data_pipelines.regenerate", "--recipe", recipe,
         "--input", str(mix), "--format", "messages", "--out", str(out), "--backend", "hf",
         "--batch-size", str(REGEN["batch"]), "--max-new-tokens", str(REGEN["max_new_tokens"]),
-        "--samples", str(REGEN["samples"]), "--opening-tokens", str(REGEN["opening_tokens"]),
+        "--answers-per-prompt", str(REGEN["samples"]),
+        "--opening-tokens", str(REGEN["opening_tokens"]),
         "--max-rows", str(rows), "--quiet",
     ]  # fmt: skip
     print(" ".join(cmd[2:]), flush=True)
@@ -174,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     os.chdir(REPO)
     t0 = time.time()
+    from evaluation.figures import provenance
     from evaluation.report import write_learning_curve
     from specforge_dspark.config.recipe import load_recipe
     from specforge_dspark.tiny.target import build
@@ -214,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         "max_new_tokens": a.max_new_tokens,
         "eval_seconds": round(eval_seconds, 1),
         "seconds": round(time.time() - t0, 1),
+        "provenance": provenance(
+            ["python", "scripts/quality.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     write_curve_csv(per_budget, out / "learning_curve.csv")

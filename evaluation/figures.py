@@ -1,0 +1,243 @@
+"""One source for every figure a command produces: its results file under docs/results/.
+
+`make demo`, `make quality` and `make bakeoff` each write runs/<name>/summary.json with a
+`provenance` (date, commit, machine, command). Publishing copies that file to
+docs/results/<name>.json (and its picture beside it) and renders the README's blocks
+between `<!-- figures:NAME -->` and `<!-- /figures:NAME -->` from it; tests/test_figures.py
+fails when a block and its results file disagree.
+
+    python -m evaluation.figures publish demo     # runs/demo -> docs/results, README
+    python -m evaluation.figures render           # README blocks from docs/results
+    python -m evaluation.figures check            # exit 1 when the README is stale
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from specforge_dspark.cli.parser import command_parser
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "docs" / "results"
+README = REPO / "README.md"
+# results name -> (run directory, picture in the run, where the picture is published)
+PUBLISHED = {
+    "demo": ("runs/demo", "summary.png", "docs/demo_summary.png"),
+    "bakeoff": ("runs/bakeoff", "summary.png", "docs/bakeoff_summary.png"),
+    "quality": ("runs/quality", "learning_curve.png", "docs/quality_learning_curve.png"),
+}
+BLOCK = re.compile(r"(<!-- figures:(\w+) -->\n)(.*?)(<!-- /figures:\2 -->)", re.S)
+DEMO_NAMES = {
+    "trained": "trained",
+    "untrained": "untrained",
+    "ngram": "n-gram (prompt lookup)",
+}
+
+
+def provenance(argv: list[str]) -> dict:
+    """Where and how a results file was made: date (UTC), commit (with `+dirty` when the
+    tree had changes), machine and the command line."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+        "commit": commit + ("+dirty" if dirty else ""),
+        "machine": f"{os.cpu_count()}-core CPU, {platform.machine()}, {platform.system()}",
+        "command": " ".join(argv),
+    }
+
+
+def _cell(value: float, ci: list[float] | None, bold: bool = False) -> str:
+    text = f"**{value:.3f}**" if bold else f"{value:.3f}"
+    return text + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+
+
+def _above(ci: list[float] | None, other: list[float] | None) -> bool:
+    """An interval lies wholly above another."""
+    return bool(ci and other and ci[0] > other[1])
+
+
+def _source_line(res: dict, name: str) -> str:
+    p = res["provenance"]
+    return (
+        f"Measured by `{p['command']}` on a {p['machine']}, {p['date']}, commit {p['commit']} "
+        f"([docs/results/{name}.json](docs/results/{name}.json)).\n"
+    )
+
+
+def render_demo(res: dict) -> str:
+    """The demo's table (trained, untrained, n-gram; overall and per workload, 95%
+    intervals; bold where the interval lies wholly above the n-gram drafter's) and what it
+    shows, from runs/demo/summary.json."""
+    workloads = list(res["trained"]["workloads"])
+    ngram = res["ngram"]
+    lines = [
+        f"Accept length (committed tokens per verify step) on held-out prompts, "
+        f"{res['num_prompts']} per workload, {res['max_new_tokens']} new tokens, with 95% "
+        "bootstrap intervals over prompts. " + _source_line(res, "demo"),
+        "| drafter | overall | " + " | ".join(workloads) + " |",
+        "|---" * (len(workloads) + 2) + "|",
+    ]
+    for key, label in DEMO_NAMES.items():
+        r = res[key]
+        bold = key != "ngram" and _above(r["accept_length_ci"], ngram["accept_length_ci"])
+        cells = [_cell(r["accept_length"], r["accept_length_ci"], bold)]
+        for w in workloads:
+            c, n = r["workloads"][w], ngram["workloads"][w]
+            bold = key != "ngram" and _above(c["accept_length_ci"], n["accept_length_ci"])
+            cells.append(_cell(c["accept_length"], c["accept_length_ci"], bold))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    trained = res["trained"]
+    t_w, n_w = trained["workloads"], ngram["workloads"]
+    above = [w for w in workloads if _above(t_w[w]["accept_length_ci"], n_w[w]["accept_length_ci"])]
+    positions = zip(trained["per_position"], ngram["per_position"], strict=True)
+    higher = sum(t > n for t, n in positions)
+    lossless = all(v["lossless"] for k in DEMO_NAMES for v in res[k]["workloads"].values())
+    lines += [
+        "",
+        f"Bold: the interval lies wholly above the n-gram drafter's. The trained drafter is "
+        f"separated from the n-gram drafter on {len(above)} of {len(workloads)} workloads"
+        + (f" ({', '.join(above)})" if above else "")
+        + f" and accepts more at {higher} of {len(trained['per_position'])} draft positions; "
+        + ("every generation was lossless. " if lossless else "NOT every generation was lossless. ")
+        + f"The run took {res['seconds'] / 60:.1f} min once installed "
+        f"(target build, regeneration, training, evaluation: "
+        + ", ".join(f"{v:.0f} s" for v in res["split_seconds"].values())
+        + ").",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def render_bakeoff(res: dict) -> str:
+    """The bake-off's table from runs/bakeoff/summary.json."""
+    kinds = res["kinds"]
+    workloads = list(next(iter(kinds.values()))["workloads"])
+    lines = [
+        f"Accept length on held-out prompts, {res['num_prompts']} per workload, "
+        f"{res['max_new_tokens']} new tokens, 95% intervals; draft MFLOP per verify step. "
+        + _source_line(res, "bakeoff"),
+        "| drafter | " + " | ".join(workloads) + " | draft MFLOP / step |",
+        "|---" * (len(workloads) + 2) + "|",
+    ]
+    for name, k in kinds.items():
+        cells = [_cell(k["workloads"][w]["accept_length"], k["workloads"][w]["accept_length_ci"])
+                 for w in workloads]  # fmt: skip
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {k['flops_per_step'] / 1e6:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_quality(res: dict) -> str:
+    """The learning curve's table from runs/quality/summary.json."""
+    first = res["budgets"][0]["workloads"]
+    workloads = list(first)
+    lines = [
+        f"DSpark accept length after each training budget, {res['num_prompts']} held-out "
+        "prompts per workload, 95% intervals; bold where the interval lies wholly above the "
+        "n-gram drafter's. " + _source_line(res, "quality"),
+        "| steps | " + " | ".join(workloads) + " |",
+        "|---" * (len(workloads) + 1) + "|",
+    ]
+    for b in res["budgets"]:
+        cells = [
+            _cell(b["workloads"][w]["accept_length"], b["workloads"][w]["accept_length_ci"],
+                  b["workloads"][w]["separated"]) for w in workloads
+        ]  # fmt: skip
+        lines.append(f"| {b['steps']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+RENDER = {"demo": render_demo, "bakeoff": render_bakeoff, "quality": render_quality}
+
+
+def load_results(name: str, results: Path = RESULTS) -> dict:
+    path = results / f"{name}.json"
+    res = json.loads(path.read_text())
+    missing = {"date", "commit", "machine", "command"} - set(res.get("provenance", {}))
+    if missing:
+        raise ValueError(f"{path}: provenance lacks {sorted(missing)}")
+    return res
+
+
+def render(text: str, results: Path = RESULTS) -> str:
+    """`text` (a README) with every figures block rendered from its results file; a block
+    whose results file does not exist yet says which command publishes it."""
+
+    def block(m: re.Match) -> str:
+        name = m.group(2)
+        if name not in RENDER:
+            raise ValueError(f"README block figures:{name}: no renderer (known: {sorted(RENDER)})")
+        if (results / f"{name}.json").is_file():
+            body = RENDER[name](load_results(name, results))
+            picture = PUBLISHED[name][2]
+            if (REPO / picture).is_file():
+                body += f"\n![{name}: accept length per workload, 95% intervals]({picture})\n"
+        else:
+            body = (f"Not published yet: run `make {name}`, then "
+                    f"`python -m evaluation.figures publish {name}`.\n")  # fmt: skip
+        return m.group(1) + body + m.group(4)
+
+    return BLOCK.sub(block, text)
+
+
+def publish(name: str, run_dir: Path | None = None) -> Path:
+    """Copy runs/<name>/summary.json (and its picture) into docs/, then render README."""
+    default_run, picture, published_picture = PUBLISHED[name]
+    run = Path(run_dir or REPO / default_run)
+    summary = run / "summary.json"
+    if not summary.is_file():
+        raise SystemExit(f"{summary}: no results to publish; run `make {name}` first")
+    res = json.loads(summary.read_text())
+    if "provenance" not in res:
+        raise SystemExit(f"{summary}: written before results carried their provenance; rerun")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"{name}.json"
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    if (run / picture).is_file():
+        shutil.copyfile(run / picture, REPO / published_picture)
+    README.write_text(render(README.read_text()))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = command_parser(
+        "evaluation.figures",
+        __doc__.split("\n\n")[0],
+        "python -m evaluation.figures publish demo  # after make demo",
+        "python -m evaluation.figures check",
+    )
+    sub = ap.add_subparsers(dest="action", required=True)
+    p = sub.add_parser("publish", help="copy runs/NAME/summary.json to docs/results/NAME.json")
+    p.add_argument("name", choices=sorted(PUBLISHED))
+    p.add_argument("--run", type=Path, default=None, help="the run directory (default runs/NAME)")
+    sub.add_parser("render", help="rewrite the README's figures blocks from docs/results")
+    sub.add_parser("check", help="exit 1 when a README figures block is stale")
+    a = ap.parse_args(argv)
+    if a.action == "publish":
+        print(f"published {publish(a.name, a.run)}; README rendered")
+    elif a.action == "render":
+        README.write_text(render(README.read_text()))
+    else:
+        text = README.read_text()
+        if render(text) != text:
+            print("README.md: figures blocks differ from docs/results; run "
+                  "`python -m evaluation.figures render`", file=sys.stderr)  # fmt: skip
+            return 1
+        print("README.md figures match docs/results")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,97 @@
+"""Every figure the README shows from a command comes from that command's results file
+(docs/results/NAME.json, evaluation/figures.py): the README's blocks are what the results
+render to, each results file says where, when and by which command it was made, and the
+renderer bolds only what its intervals support."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+
+from evaluation import figures
+
+REPO = figures.REPO
+
+
+def test_the_readmes_figures_are_rendered_from_the_results_files():
+    text = figures.README.read_text()
+    blocks = [m.group(2) for m in figures.BLOCK.finditer(text)]
+    assert "demo" in blocks and "bakeoff" in blocks, blocks
+    assert figures.render(text) == text, (
+        "README.md's figures blocks differ from docs/results: run "
+        "`python -m evaluation.figures render` (or publish the run they came from)"
+    )
+    for path in sorted(figures.RESULTS.glob("*.json")):
+        res = figures.load_results(path.stem)  # refuses a file without its provenance
+        p = res["provenance"]
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d", p["date"]), path
+        assert re.fullmatch(r"[0-9a-f]{7,}(\+dirty)?", p["commit"]), path
+        assert p["command"].startswith("python scripts/"), path
+        assert path.stem in blocks, f"{path}: published but shown nowhere in the README"
+
+
+def _demo_results(trained_ci, ngram_ci) -> dict:
+    def drafter(al, ci, lossless=True):
+        w = {"accept_length": al, "accept_length_ci": ci, "lossless": lossless}
+        return {"accept_length": al, "accept_length_ci": ci, "per_position": [0.7, 0.3],
+                "workloads": {"gsm8k": dict(w), "humaneval": dict(w)}}  # fmt: skip
+
+    return {
+        "trained": drafter(4.0, trained_ci),
+        "untrained": drafter(1.0, [1.0, 1.0]),
+        "ngram": {**drafter(2.5, ngram_ci), "per_position": [0.4, 0.25]},
+        "num_prompts": 20,
+        "max_new_tokens": 128,
+        "seconds": 501.0,
+        "split_seconds": {"target_build": 1.0, "regeneration": 85.0},
+        "provenance": {
+            "date": "2026-12-04",
+            "commit": "abc1234",
+            "machine": "2-core CPU",
+            "command": "python scripts/demo.py --nproc 2",
+        },  # fmt: skip
+    }
+
+
+@pytest.mark.parametrize(
+    "trained_ci, ngram_ci, bold",
+    [([3.8, 4.2], [2.3, 2.7], True), ([2.6, 4.2], [2.3, 2.7], False)],
+)
+def test_bold_and_the_sentence_follow_the_intervals(tmp_path, trained_ci, ngram_ci, bold):
+    res = _demo_results(trained_ci, ngram_ci)
+    (tmp_path / "demo.json").write_text(json.dumps(res))
+    text = "intro\n<!-- figures:demo -->\nold table\n<!-- /figures:demo -->\nafter\n"
+    out = figures.render(text, tmp_path)
+    assert out.startswith("intro\n<!-- figures:demo -->\n") and out.endswith("after\n")
+    assert "old table" not in out
+    trained_row = next(line for line in out.splitlines() if line.startswith("| trained"))
+    assert (f"**4.000** [{trained_ci[0]:.2f}, {trained_ci[1]:.2f}]" in trained_row) is bold
+    assert "**" not in next(line for line in out.splitlines() if line.startswith("| n-gram"))
+    want = "on 2 of 2 workloads (gsm8k, humaneval)" if bold else "on 0 of 2 workloads"
+    assert want in out, out
+    assert "at 0 of 2 draft positions" not in out and "at 2 of 2 draft positions" in out
+    assert "`python scripts/demo.py --nproc 2`" in out and "commit abc1234" in out
+    assert figures.render(out, tmp_path) == out  # rendering is a fixed point
+
+
+def test_a_results_file_without_provenance_and_an_unknown_block_are_refused(tmp_path):
+    res = _demo_results([3.8, 4.2], [2.3, 2.7])
+    del res["provenance"]["commit"]
+    (tmp_path / "demo.json").write_text(json.dumps(res))
+    with pytest.raises(ValueError, match=r"demo.json: provenance lacks \['commit'\]"):
+        figures.render("<!-- figures:demo -->\n<!-- /figures:demo -->\n", tmp_path)
+    with pytest.raises(ValueError, match="figures:nosuch: no renderer"):
+        figures.render("<!-- figures:nosuch -->\n<!-- /figures:nosuch -->\n", tmp_path)
+    text = "<!-- figures:bakeoff -->\nstale\n<!-- /figures:bakeoff -->\n"
+    assert "run `make bakeoff`" in figures.render(text, tmp_path)  # nothing published yet
+
+
+def test_provenance_names_this_commit():
+    p = figures.provenance(["python", "scripts/demo.py"])
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    assert p["commit"].split("+")[0] == head and p["command"] == "python scripts/demo.py"
