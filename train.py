@@ -21,17 +21,27 @@ import time
 
 import torch
 
+from specforge_dspark.cli.parser import command_parser
 from specforge_dspark.config.recipe import Recipe, RecipeError, load_recipe
 from specforge_dspark.training.build import Run, build
 from specforge_dspark.training.drafters import Drafter
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = command_parser(
+        "torchrun --nproc_per_node N train.py",
+        __doc__.split("\n\n")[0],
+        "torchrun --nproc_per_node 2 train.py --recipe recipes/tiny_cpu.yaml",
+        "python train.py --recipe recipes/inkling_nvfp4.yaml --dry-run",
+    )
     ap.add_argument("--recipe", required=True, help="recipe YAML (see recipes/)")
     ap.add_argument("--dry-run", action="store_true", help="validate, build on meta, summarise")
     ap.add_argument(
-        "--world-size", type=int, default=1, help="--dry-run: data-parallel ranks to size for"
+        "--world-size",
+        type=int,
+        default=None,
+        help="--dry-run: data-parallel ranks to size for (default: torchrun's WORLD_SIZE, else "
+        "the torchrun line in the recipe's header, else 1)",
     )
     ap.add_argument(
         "--gpus-per-node",
@@ -135,13 +145,13 @@ EXIT_STOPPED = 143
 # --------------------------------------------------------------------------- dry run
 
 
-def dry_run(recipe: Recipe, world: int = 1, gpus_per_node: int = 8) -> int:
+def dry_run(recipe: Recipe, world: int | None = None, gpus_per_node: int = 8) -> int:
     """Build the draft on the meta device and print what a real run would hold; a served
     target's launch arguments are checked by the engine itself (launch_check.py)."""
     from specforge_dspark.config.validate import check_data_files
     from specforge_dspark.engines.pool import check_node_fits
     from specforge_dspark.training.launch_check import check_launch_args
-    from specforge_dspark.training.memory import dry_run_summary
+    from specforge_dspark.training.memory import dry_run_summary, implied_world_size
 
     try:
         check_data_files(recipe)
@@ -150,6 +160,8 @@ def dry_run(recipe: Recipe, world: int = 1, gpus_per_node: int = 8) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    world, source = implied_world_size(recipe, world)
+    print(f"sizing for {world} rank(s) ({source})")
     print("\n".join([*dry_run_summary(recipe, world), *checked]))
     return 0
 

@@ -17,7 +17,6 @@ and the library versions; a folder exists only once complete (built aside, renam
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import fcntl
 import hashlib
@@ -35,6 +34,7 @@ from data_pipelines.formats import FormatConfig
 from data_pipelines.ingest import check_input_file
 from data_pipelines.pipeline import PrepareParams, run_prepare
 from data_pipelines.render import load_tokenizer
+from specforge_dspark.cli.parser import command_parser
 
 PIPELINE_VERSION = 1
 REPO = Path(__file__).resolve().parents[1]
@@ -188,7 +188,11 @@ def summary(report: dict[str, Any], out: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     from specforge_dspark.config.recipe import RecipeError, load_recipe
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = command_parser(
+        "data_pipelines.prepare",
+        __doc__.split("\n\n")[0],
+        "python -m data_pipelines.prepare --recipe recipes/tiny_cpu.yaml",
+    )
     ap.add_argument("--recipe", required=True)
     ap.add_argument("--split", choices=["train", "eval"], default="train")
     ap.add_argument("--input", nargs="+", help="input files (override data.<split>_files)")
@@ -222,7 +226,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def bench_main(argv: list[str] | None = None) -> int:
     """Rows/s of prepare (no cache) on GSM8K train; prints `prepare rows_per_s=<x>`."""
-    ap = argparse.ArgumentParser(prog="bench prepare", description=bench_main.__doc__)
+    ap = command_parser(
+        "python -m specforge_dspark.cli.bench prepare",
+        bench_main.__doc__,
+        "python -m specforge_dspark.cli.bench prepare",
+    )
     ap.add_argument("--file", default=str(BENCH_FILE))
     ap.add_argument("--tokenizer", default=str(REPO / ".cache" / "tiny_target"))
     ap.add_argument("--max-length", type=int, default=4096)

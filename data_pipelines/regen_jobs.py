@@ -58,8 +58,9 @@ def check_ids(files: list[str], max_rows: int, samples: int) -> str | None:
         rid = row_id(raw)
         if rid != raw.source and SEPARATOR in rid:
             return (
-                f"row {raw.source}: id {rid!r} contains {SEPARATOR!r}, which --samples > 1 "
-                f"uses for the further answers ('<id>{SEPARATOR}k'); rename the id"
+                f"row {raw.source}: id {rid!r} contains {SEPARATOR!r}, which "
+                f"--answers-per-prompt > 1 uses for the further answers ('<id>{SEPARATOR}k'); "
+                "rename the id"
             )
     return None
 

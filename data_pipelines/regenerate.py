@@ -3,7 +3,7 @@
     python -m data_pipelines.regenerate --recipe R --input FILE --out FILE
         [--backend hf|openai|sglang] [--url URL] [--concurrency N] [--batch-size N]
         [--max-new-tokens N] [--temperature T] [--top-p P] [--chat-template-kwargs JSON]
-        [--samples N --opening-tokens K [--opening-temperature T]]
+        [--answers-per-prompt N --opening-tokens K [--opening-temperature T]]
         [--errors FILE] [--retry-errors] [key.sub=value ...]
 
 Backends (backends.py): hf generates in this process; openai asks a chat server; sglang
@@ -14,7 +14,7 @@ system and user turns are kept (regen_jobs.py). The user turns are answered in o
 each conditioned on the target's own earlier answers. Output rows (OpenAI messages, ready
 for `prepare`): `{"id", "source", "messages", "finish_reasons"}` with any reasoning in the
 assistant turns' `reasoning_content`. The row id is the input's `id` field, else
-"file:row"; with `--samples N` the further answers to a row are rows "<id>#1" ..
+"file:row"; with `--answers-per-prompt N` the further answers to a row are rows "<id>#1" ..
 "<id>#N-1" (input ids containing "#" are then refused before anything is generated), each
 answer of which opens with K tokens sampled at the opening temperature and continues as
 configured (greedy by default: the target's own greedy trajectories from N-1 more starting
@@ -27,7 +27,6 @@ come from the recipe's `data.regenerate` section; flags override them.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import json
@@ -44,6 +43,7 @@ from data_pipelines.formats import FormatConfig, Message
 from data_pipelines.ingest import count_rows
 from data_pipelines.journal import Journal
 from data_pipelines.regen_jobs import Job, check_ids, jobs
+from specforge_dspark.cli.parser import command_parser
 
 
 class _Conversation:
@@ -201,11 +201,11 @@ def _check(rc, target_path: str, files: list[str]) -> str | None:
     if rc.backend != "openai" and not target_path:
         return f"target.path is needed for the {rc.backend} backend (its tokenizer)"
     if rc.samples < 1 or rc.opening_tokens < 0:
-        return "--samples must be >= 1 and --opening-tokens >= 0 (data.regenerate.*)"
+        return "--answers-per-prompt must be >= 1 and --opening-tokens >= 0 (data.regenerate.*)"
     if rc.samples > 1 and rc.opening_tokens == 0 and rc.temperature == 0:
         return (
-            "--samples > 1 at temperature 0 without --opening-tokens repeats the first answer; "
-            "set --opening-tokens (or --temperature)"
+            "--answers-per-prompt > 1 at temperature 0 without --opening-tokens repeats the "
+            "first answer; set --opening-tokens (or --temperature)"
         )
     if rc.opening_tokens and not 0 < rc.opening_tokens < rc.max_new_tokens:
         return "--opening-tokens must be below --max-new-tokens"
@@ -222,7 +222,15 @@ def _check(rc, target_path: str, files: list[str]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     from specforge_dspark.config.recipe import RecipeError, load_recipe
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = command_parser(
+        "data_pipelines.regenerate",
+        __doc__.split("\n\n")[0],
+        (
+            "python -m data_pipelines.regenerate --recipe recipes/tiny_cpu.yaml "
+            "--input ../shared/data/train/gsm8k_train.jsonl --out runs/regen/gsm8k.jsonl "
+            "--backend hf --max-rows 100"
+        ),
+    )
     ap.add_argument("--recipe", required=True)
     ap.add_argument("--input", nargs="+", help="input files (default: data.train_files)")
     ap.add_argument("--out", required=True, type=Path, help="output jsonl (appended, resumable)")
@@ -237,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int)
     ap.add_argument("--temperature", type=float)
     ap.add_argument("--top-p", type=float)
-    ap.add_argument("--samples", type=int, help="answers per prompt (default 1)")
+    ap.add_argument(
+        "--answers-per-prompt", type=int, dest="samples", help="(data.regenerate.samples; 1)"
+    )
     ap.add_argument("--opening-tokens", type=int, help="sampled tokens opening answers 2..N")
     ap.add_argument("--opening-temperature", type=float, help="their temperature (1.0)")
     ap.add_argument("--chat-template-kwargs", type=json.loads, help='JSON, e.g. {"x": 1}')

@@ -14,7 +14,6 @@ summary.json, report.md, per_position.csv and PNG plots to --out (see report.py)
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ import torch
 from evaluation.budget import budget_row, verify_budgets
 from evaluation.metrics import accept_length_ci, pooled_speed, speed_stats, step_stats
 from evaluation.report import write_report
+from specforge_dspark.cli.parser import command_parser
 from specforge_dspark.decoding.hf_target import CacheMode, HFTarget
 from specforge_dspark.decoding.loading import DTYPES, check_pair, head_fns, load_drafter
 from specforge_dspark.decoding.prompts import (
@@ -308,17 +308,23 @@ def evaluate(
         for rec in records:
             f.write(json.dumps(rec) + "\n")
     ci = overall["accept_length_ci"]
+    pooled = f"accept length on {'+'.join(per_workload)} {_fmt(overall['accept_length'])}"
+    # a caller that splits workloads over processes (scripts/demo.py) prints the overall
     log(
-        f"overall accept length {_fmt(overall['accept_length'])} "
-        f"(95% CI {ci[0]:.3f}-{ci[1]:.3f}) -> {out_dir}"
+        f"{pooled} (95% CI {ci[0]:.3f}-{ci[1]:.3f}) -> {out_dir}"
         if ci
-        else f"overall accept length {_fmt(overall['accept_length'])} -> {out_dir}"
+        else f"{pooled} -> {out_dir}"
     )
     return summary
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = command_parser(
+        "evaluation.acceptance",
+        __doc__.split("\n\n")[0],
+        "python -m evaluation.acceptance --target .cache/tiny_target "
+        "--draft runs/demo/export/sglang --out runs/acceptance",
+    )
     ap.add_argument("--target", required=True, help="hf target directory")
     ap.add_argument(
         "--draft",

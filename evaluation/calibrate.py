@@ -18,9 +18,9 @@ repeated calibrations).
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
+from specforge_dspark.cli.parser import command_parser
 from specforge_dspark.decoding.calibration import calibrate_draft, position_eces
 from specforge_dspark.decoding.sts import BIAS_KEY
 
@@ -139,7 +139,14 @@ def write_plot(report: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = command_parser(
+        "evaluation.calibrate",
+        __doc__.split("\n\n")[0],
+        (
+            "python -m evaluation.calibrate --target .cache/tiny_target "
+            "--draft runs/demo/export/sglang --out runs/calibration"
+        ),
+    )
     ap.add_argument("--target", required=True)
     ap.add_argument("--draft", required=True, help="SGLang-layout export directory")
     ap.add_argument("--workloads", default="gsm8k,mt_bench")

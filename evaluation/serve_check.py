@@ -23,7 +23,6 @@ prompt that disagrees, the verify step, and both token streams.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from specforge_dspark.cli.parser import command_parser
 from specforge_dspark.config.servers import SGLangServer, VLLMServer
 from specforge_dspark.decoding.hf_target import HFTarget
 from specforge_dspark.decoding.loading import DTYPES, check_pair, head_fns, load_drafter
@@ -270,7 +270,14 @@ def serve_check(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = command_parser(
+        "evaluation.serve_check",
+        __doc__.split("\n\n")[0],
+        (
+            "python -m evaluation.serve_check --target .cache/tiny_target "
+            "--draft runs/demo/export/sglang --out runs/serve_check"
+        ),
+    )
     ap.add_argument("--target", required=True, help="hf target directory SGLang can serve")
     ap.add_argument("--draft", required=True, help="SGLang export of the drafter")
     ap.add_argument("--workloads", default="gsm8k,mt_bench")

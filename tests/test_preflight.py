@@ -154,7 +154,7 @@ def test_each_check_fails_on_its_broken_engine(broken, failing, hf_stream, head,
 
 def test_cli_prints_the_table_and_exits_zero(tiny_qwen3_dir, capsys):
     code = main(
-        ["--recipe", "recipes/tiny_cpu_sglang.yaml", "--samples", "2", "target.backend=hf",
+        ["--recipe", "recipes/tiny_cpu_sglang.yaml", "--rows", "2", "target.backend=hf",
          f"target.path={tiny_qwen3_dir}"]
     )  # fmt: skip
     out = capsys.readouterr().out

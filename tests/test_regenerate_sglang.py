@@ -101,7 +101,7 @@ def test_sglang_backend_continues_the_opening_from_its_very_ids(tmp_path, tiny_t
     srv = fake()
     rows = [{"id": "a", "question": "Who are you?"}]
     argv = _argv(tmp_path, tiny_target_dir, srv.url, rows)
-    argv += ["--samples", "2", "--opening-tokens", "3", "--max-new-tokens", "8"]
+    argv += ["--answers-per-prompt", "2", "--opening-tokens", "3", "--max-new-tokens", "8"]
     argv += ["--opening-temperature", "0.7", "--chat-template-kwargs", '{"enable_thinking": false}']
     assert main(argv) == 0
     chat = ChatTokens(str(tiny_target_dir), {"enable_thinking": False})
@@ -136,7 +136,7 @@ def test_sglang_backend_stops_where_the_server_stopped(tmp_path, tiny_target_dir
     chat = ChatTokens(str(tiny_target_dir), {})
     srv = fake(stop_at=next(iter(chat.eos_ids)))
     argv = _argv(tmp_path, tiny_target_dir, srv.url, [{"id": "a", "question": "q"}])
-    assert main([*argv, "--samples", "2", "--opening-tokens", "3"]) == 0
+    assert main([*argv, "--answers-per-prompt", "2", "--opening-tokens", "3"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "o.jsonl").open()]
     errors = [json.loads(line) for line in (tmp_path / "o.errors.jsonl").open()]
     # an opening that ends the turn is not continued; an empty answer is an error row
@@ -147,7 +147,9 @@ def test_sglang_backend_stops_where_the_server_stopped(tmp_path, tiny_target_dir
 def test_sample_ids_that_could_collide_are_refused_before_generating(tmp_path, capsys, fake):
     srv = fake()
     rows = [{"id": "a", "question": "q"}, {"id": "a#1", "question": "q2"}]
-    argv = _argv(tmp_path, "/nowhere", srv.url, rows, "--samples", "2", "--opening-tokens", "2")
+    argv = _argv(
+        tmp_path, "/nowhere", srv.url, rows, "--answers-per-prompt", "2", "--opening-tokens", "2"
+    )
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"row {tmp_path / 'in.jsonl'}:1: id 'a#1' contains '#'" in err

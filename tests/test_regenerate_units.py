@@ -145,8 +145,8 @@ def test_unreachable_server_stops_the_run_and_resume_retries(tmp_path):
 def test_hf_samples_open_with_sampled_tokens_then_decode_greedily(
     tmp_path, tiny_target_dir, capsys
 ):
-    """--samples 3 --opening-tokens 3: per prompt the greedy answer (equal to a plain run's)
-    and two more whose ids are the sampled opening then the greedy continuation of it."""
+    """--answers-per-prompt 3 --opening-tokens 3: per prompt the greedy answer (equal to a plain
+    run's) and two more whose ids are the sampled opening then the greedy continuation of it."""
     import torch
 
     from data_pipelines.backends import HFBackend
@@ -161,7 +161,7 @@ def test_hf_samples_open_with_sampled_tokens_then_decode_greedily(
     base += ["--batch-size", "6", "--max-new-tokens", "12"]
     plain, many = tmp_path / "plain.jsonl", tmp_path / "many.jsonl"
     assert main([*base, "--out", str(plain)]) == 0
-    argv = [*base, "--out", str(many), "--samples", "3", "--opening-tokens", "3"]
+    argv = [*base, "--out", str(many), "--answers-per-prompt", "3", "--opening-tokens", "3"]
     assert main(argv) == 0
     got = {r["id"]: r["messages"][-1]["content"] for r in map(json.loads, many.open())}
     assert sorted(got) == ["a", "a#1", "a#2", "b", "b#1", "b#2"]
@@ -192,9 +192,12 @@ def test_hf_samples_open_with_sampled_tokens_then_decode_greedily(
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--samples", "2"], "repeats the first answer"),
-        (["--samples", "2", "--opening-tokens", "4", "--max-new-tokens", "4"], "below --max-new"),
-        (["--samples", "2", "--opening-tokens", "2", "--backend", "openai", "--url", "http://h"],
+        (["--answers-per-prompt", "2"], "repeats the first answer"),
+        (
+            ["--answers-per-prompt", "2", "--opening-tokens", "4", "--max-new-tokens", "4"],
+            "below --max-new",
+        ),
+        (["--answers-per-prompt", "2", "--opening-tokens", "2", "--backend", "openai", "--url", "http://h"],
          "needs the hf or sglang backend"),
     ],
 )  # fmt: skip

@@ -1,17 +1,16 @@
 """Capture frozen-target features to disk for the `offline` backend.
 
-    python -m specforge_dspark.cli.capture --recipe R.yaml --out DIR [--samples S.jsonl]
+    python -m specforge_dspark.cli.capture --recipe R.yaml --out DIR [--input S.jsonl]
 
 Runs the recipe's target with the `hf` backend (whatever `target.backend` says) over the
 training samples and writes safetensors shards plus manifest.json (see target/offline.py).
-Samples come from `--samples` (jsonl rows {"sample_id", "input_ids", "loss_mask"}) or,
+Samples come from `--input` (jsonl rows {"sample_id", "input_ids", "loss_mask"}) or,
 without it, from `data_pipelines.prepare.prepare_dataset(recipe)` when that exists.
 Train from the result with `target.backend=offline target.offline_dir=DIR`.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import sys
@@ -20,6 +19,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+from specforge_dspark.cli.parser import command_parser
 from specforge_dspark.config.recipe import Recipe, load_recipe
 from specforge_dspark.engines.features import (
     Sample,
@@ -50,8 +50,8 @@ def prepared_samples(recipe: Recipe) -> Iterable[Any]:
         from data_pipelines.prepare import prepare_dataset  # type: ignore[import-not-found]
     except ImportError:
         raise ValueError(
-            "capture: no --samples given and data_pipelines.prepare.prepare_dataset is not "
-            "available; pass --samples FILE.jsonl"
+            "capture: no --input given and data_pipelines.prepare.prepare_dataset is not "
+            "available; pass --input FILE.jsonl"
         ) from None
     return prepare_dataset(recipe)
 
@@ -106,15 +106,19 @@ def capture(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = command_parser(
+        "specforge_dspark.cli.capture",
+        __doc__.split("\n\n")[0],
+        "python -m specforge_dspark.cli.capture --recipe recipes/tiny_cpu.yaml --out runs/capture",
+    )
     ap.add_argument("--recipe", required=True)
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--samples", type=Path, help="jsonl of {sample_id, input_ids, loss_mask}")
+    ap.add_argument("--input", type=Path, help="jsonl of {sample_id, input_ids, loss_mask}")
     ap.add_argument("--shard-mb", type=int, default=1024, help="target shard size in MiB")
     ap.add_argument("overrides", nargs="*", help="recipe overrides, key.sub=value")
     a = ap.parse_args(argv)
     recipe = load_recipe(a.recipe, a.overrides)
-    samples = read_samples_jsonl(a.samples) if a.samples else prepared_samples(recipe)
+    samples = read_samples_jsonl(a.input) if a.input else prepared_samples(recipe)
     capture(recipe, samples, a.out, a.shard_mb)
     return 0
 

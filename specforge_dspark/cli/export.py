@@ -3,18 +3,22 @@ specforge_dspark.export docstring); export/dispatch.py picks the drafter kind's 
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from specforge_dspark.cli.parser import command_parser
 from specforge_dspark.export.dispatch import export_checkpoint
 from specforge_dspark.export.dspark import FORMATS
 from specforge_dspark.export.speculators import SPECULATORS_VOCABS
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m specforge_dspark.cli.export",
-        description="Export a DSpark draft checkpoint for SGLang or vLLM (speculators).",
+    parser = command_parser(
+        "specforge_dspark.cli.export",
+        "Export a DSpark draft checkpoint for SGLang or vLLM (speculators).",
+        (
+            "python -m specforge_dspark.cli.export --checkpoint runs/demo/ckpt/step-1500 "
+            "--format sglang --out runs/demo/export/sglang"
+        ),
     )
     parser.add_argument(
         "--checkpoint",

@@ -29,7 +29,6 @@ The YAML is loaded back with `load_recipe` before it replaces `--out` (it passes
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -40,6 +39,7 @@ from typing import Any
 
 import yaml
 
+from specforge_dspark.cli.parser import command_parser
 from specforge_dspark.config.recipe import load_recipe
 from specforge_dspark.engines.features import check_layer_ids, tap_convention
 
@@ -362,7 +362,14 @@ def _emit(lines: list[str], key: str, value: Any, notes: dict[str, str], parent:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = command_parser(
+        "specforge_dspark.cli.init_recipe",
+        __doc__.split("\n\n")[0],
+        (
+            "python -m specforge_dspark.cli.init_recipe --target /models/Qwen3-8B "
+            "--out recipes/qwen3_8b.yaml"
+        ),
+    )
     ap.add_argument("--target", required=True, type=Path, help="checkpoint dir (config.json)")
     ap.add_argument("--kind", choices=["dspark", "dflash", "dflash2"], default="dspark")
     ap.add_argument("--gpus", type=int, help="GPUs to train on (default: visible; 0 = CPU)")

@@ -10,9 +10,10 @@ engines/keyed_launch.py: on no command line), the key the trainers hold in the v
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import sys
+
+from specforge_dspark.cli.parser import command_parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     from specforge_dspark.engines.api_key import KEY_ENV
     from specforge_dspark.engines.sglang import KEYED_LAUNCH, is_cpu_engine, launch_args
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = command_parser(
+        "specforge_dspark.cli.server_command",
+        __doc__.split("\n\n")[0],
+        "python -m specforge_dspark.cli.server_command --recipe recipes/inkling_nvfp4.yaml",
+    )
     ap.add_argument("--recipe", required=True, help="recipe YAML (see recipes/)")
     ap.add_argument("--host", default="0.0.0.0", help="the address the server listens on")
     ap.add_argument("overrides", nargs="*", help="recipe overrides, e.g. target.sglang.port=30001")

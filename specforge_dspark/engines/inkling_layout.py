@@ -33,7 +33,6 @@ reused while the source's build key (or weights) are unchanged.
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import hashlib
 import json
@@ -41,6 +40,8 @@ import shutil
 from pathlib import Path
 
 import torch
+
+from specforge_dspark.cli.parser import command_parser
 
 SGLANG_ARCH = "InklingForConditionalGeneration"
 TRANSFORMERS_ARCH = "InklingForCausalLM"
@@ -233,7 +234,11 @@ def sglang_layout(target: str | Path, out: str | Path | None = None, log=print) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = command_parser(
+        "specforge_dspark.engines.inkling_layout",
+        __doc__.split("\n\n")[0],
+        "python -m specforge_dspark.engines.inkling_layout --target .cache/tiny_target",
+    )
     ap.add_argument("--target", required=True, type=Path, help="transformers Inkling checkpoint")
     ap.add_argument("--out", type=Path, default=None, help=f"default: <target>{SUFFIX}")
     args = ap.parse_args(argv)

@@ -23,7 +23,6 @@ settings, this file's source and the data files' contents) is reused as it is.
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import hashlib
 import json
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from specforge_dspark.cli.parser import command_parser
 from specforge_dspark.tiny.corpus import corpus, data_files
 from specforge_dspark.tiny.model import make_config, train_tokenizer
 from specforge_dspark.tiny.pretrain import PRETRAIN_STEPS, greedy_loop_rate, heldout_loss, pretrain
@@ -210,7 +210,12 @@ def _build_into(out: Path, settings: dict, key: str, log) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = command_parser(
+        "specforge_dspark.tiny",
+        __doc__.split("\n\n")[0],
+        "python -m specforge_dspark.tiny --out .cache/tiny_target",
+        "python -m specforge_dspark.tiny --arch qwen3 --out .cache/tiny_qwen3",
+    )
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--arch", choices=ARCHS, default="inkling")
     ap.add_argument("--vocab", type=int, default=1024, help="BPE vocabulary (before padding)")

@@ -1,6 +1,6 @@
 """Preflight of the features: check what the target engine hands the trainer, any engine.
 
-    python -m specforge_dspark.cli.preflight --recipe R.yaml [--samples 4] [--reference auto]
+    python -m specforge_dspark.cli.preflight --recipe R.yaml [--rows 4] [--reference auto]
 
 (cli/preflight.py) and, with `train.preflight_samples > 0`, every rank of every run on
 its own stream before its first step. One table, one row per check; a failure raises

@@ -29,16 +29,24 @@ BENCHES = {
 }
 
 
+USAGE = f"usage: python -m specforge_dspark.cli.bench {{{'|'.join([*BENCHES, 'all'])}}} [args]"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]) or argv[:2] in (["all", "-h"], ["all", "--help"]):
+        print(f"{USAGE}\n\n{__doc__}\nexample:\n  python -m specforge_dspark.cli.bench objective\n"
+              "  python -m specforge_dspark.cli.bench step --help")  # fmt: skip
+        return 0
     if not argv or argv[0] not in (*BENCHES, "all"):
-        print(
-            f"usage: python -m specforge_dspark.cli.bench {{{'|'.join([*BENCHES, 'all'])}}} [args]"
-        )
+        print(USAGE)
         return 2
     name, rest = argv[0], argv[1:]
     if name != "all":
         return _run(name, rest)
+    if rest:
+        print(f"bench all takes no arguments (got {rest}): every benchmark runs its defaults")
+        return 2
     return max(_run(n, []) for n in BENCHES)
 
 

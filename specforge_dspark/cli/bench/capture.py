@@ -23,6 +23,8 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
+from specforge_dspark.cli.parser import command_parser
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -78,7 +80,6 @@ def _captured(engine, seq: int, batch) -> None:
 
 
 def bench_main(argv: list[str] | None = None) -> int:
-    import argparse
 
     import torch
 
@@ -86,10 +87,10 @@ def bench_main(argv: list[str] | None = None) -> int:
     from specforge_dspark.engines.sglang import SGLangEngine
     from specforge_dspark.tiny.target import build
 
-    ap = argparse.ArgumentParser(
-        prog="bench capture",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    ap = command_parser(
+        "python -m specforge_dspark.cli.bench capture",
+        __doc__,
+        "python -m specforge_dspark.cli.bench capture",
     )
     ap.add_argument("--target", default=".cache/tiny_qwen3", help="built here if missing")
     ap.add_argument("--repeats", type=int, default=8, help="timed prefills of each kind")

@@ -14,7 +14,6 @@ shared by two drafters at the same capture cost).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -22,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from specforge_dspark.cli.parser import command_parser
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPE = "recipes/tiny_cpu_small.yaml"
@@ -66,10 +67,10 @@ def run(out: Path, steps: int, drafters: int) -> dict:
 
 
 def bench_main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="bench drafters",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    ap = command_parser(
+        "python -m specforge_dspark.cli.bench drafters",
+        __doc__,
+        "python -m specforge_dspark.cli.bench drafters",
     )
     ap.add_argument("--steps", type=int, default=60)
     a = ap.parse_args(argv)

@@ -16,7 +16,6 @@ anchors per sequence and about the same per conversation.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -24,6 +23,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from specforge_dspark.cli.parser import command_parser
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPE = "recipes/tiny_cpu.yaml"
@@ -58,8 +59,10 @@ def run(out: Path, steps: int, packed: bool, anchors: int | None) -> dict:
 
 
 def bench_main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="bench pack", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    ap = command_parser(
+        "python -m specforge_dspark.cli.bench pack",
+        __doc__,
+        "python -m specforge_dspark.cli.bench pack",
     )
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--anchors", type=int, nargs="+", default=[64, 128], help="packed runs")

@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from specforge_dspark.cli.parser import command_parser
+
 LOGICAL_VOCAB, MASK_TOKEN, PROMPT_LEN, WARMUP_ANCHORS = 200058, 200064, 512, 16
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 SHAPES = {
@@ -51,8 +53,10 @@ REPO = Path(__file__).resolve().parents[3]
 
 def bench_main(argv: list[str] | None = None) -> int:
     """Runs each configuration (and its baseline) in a fresh subprocess, prints its line."""
-    ap = argparse.ArgumentParser(
-        prog="bench step", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    ap = command_parser(
+        "python -m specforge_dspark.cli.bench step",
+        __doc__,
+        "python -m specforge_dspark.cli.bench step",
     )
     ap.add_argument("--shape", choices=sorted(SHAPES), default="cpu")
     ap.add_argument("--kind", choices=("dspark", "dflash"), default="dspark")

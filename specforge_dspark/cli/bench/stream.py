@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specforge_dspark.cli.parser import command_parser
 from specforge_dspark.engines import hf
 from specforge_dspark.engines.features import TargetFeatures
 from specforge_dspark.training.stream import FeatureStream
@@ -155,13 +156,12 @@ def _stream_rate(target: str, n: int, seq_len: int):
 
 
 def bench_main(argv: list[str] | None = None) -> int:
-    import argparse
     import multiprocessing as mp
 
-    ap = argparse.ArgumentParser(
-        prog="bench stream",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    ap = command_parser(
+        "python -m specforge_dspark.cli.bench stream",
+        __doc__,
+        "python -m specforge_dspark.cli.bench stream",
     )
     ap.add_argument("--target", default=".cache/tiny_target", help="built here if missing")
     ap.add_argument("--batches", type=int, default=24, help="timed batches per rank")

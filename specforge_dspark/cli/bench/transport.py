@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from specforge_dspark.cli.parser import command_parser
+
 LAYERS = [0, 1, 2]
 
 
@@ -159,14 +161,13 @@ def _trainer_seconds(target: str, rows: int, reps: int) -> tuple[float, float, s
 
 
 def bench_main(argv: list[str] | None = None) -> int:
-    import argparse
 
     from specforge_dspark.tiny.target import build
 
-    ap = argparse.ArgumentParser(
-        prog="bench transport",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    ap = command_parser(
+        "python -m specforge_dspark.cli.bench transport",
+        __doc__,
+        "python -m specforge_dspark.cli.bench transport",
     )
     ap.add_argument("--target", default=".cache/tiny_qwen3", help="built here if missing")
     ap.add_argument("--seq-len", type=int, default=2048, help="tokens per request")
