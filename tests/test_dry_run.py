@@ -131,3 +131,28 @@ def test_recompute_auto_is_decided_against_what_the_server_leaves(gpu):
     )
     lines = memory.dry_run_summary(_served("sglang", mem_fraction_static=0.55))
     assert any("by the co-located server" in line for line in lines if "recompute" in line)
+
+
+def test_the_dry_run_sizes_for_the_launch_the_recipe_names(tmp_path, monkeypatch, capsys):
+    """No --world-size: torchrun's WORLD_SIZE, else the recipe header's torchrun line."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    prod = load_recipe(REPO / "recipes" / "inkling_nvfp4.yaml")
+    assert memory.implied_world_size(prod, None) == (8, "the launch in inkling_nvfp4.yaml's header")
+    assert memory.implied_world_size(prod, 3) == (3, "--world-size")
+    two_nodes = tmp_path / "two_nodes.yaml"
+    text = (REPO / "recipes" / "inkling_nvfp4.yaml").read_text()
+    two_nodes.write_text(
+        text.replace("torchrun --nproc_per_node 8", "torchrun --nnodes 2 --nproc_per_node 8", 1)
+    )
+    assert memory.implied_world_size(load_recipe(two_nodes), None)[0] == 16
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("\n".join(line for line in text.splitlines() if "torchrun" not in line))
+    world, why = memory.implied_world_size(load_recipe(bare), None)
+    assert world == 1 and "--world-size W" in why
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert memory.implied_world_size(prod, None) == (4, "WORLD_SIZE")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert train.main(["--recipe", str(REPO / "recipes" / "tiny_cpu.yaml"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "sizing for 2 rank(s) (the launch in tiny_cpu.yaml's header)" in out
+    assert "memory per rank (estimate from shapes; 2 rank(s)" in out

@@ -33,6 +33,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
+import re
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specforge_dspark.config.recipe import Recipe
@@ -225,6 +228,30 @@ def slot_summary(recipe: Recipe) -> str:
         f"{per_slot / 2**20:.1f} MiB of {rows}; a target request holds at most "
         f"{budget.tokens} tokens / {budget.seqs} sequences ({budget.keys})"
     )
+
+
+def implied_world_size(recipe: Recipe, asked: int | None) -> tuple[int, str]:
+    """The data-parallel ranks a dry run sizes for, and where the number came from:
+    `--world-size`, else torchrun's WORLD_SIZE, else the launch line in the recipe file's
+    header (`torchrun [--nnodes M] --nproc_per_node N`: M x N), else 1."""
+    if asked is not None:
+        return asked, "--world-size"
+    if os.environ.get("WORLD_SIZE"):
+        return int(os.environ["WORLD_SIZE"]), "WORLD_SIZE"
+    path = Path(recipe.source) if recipe.source else None
+    if path is not None and path.is_file():
+        header = []
+        for line in path.read_text().splitlines():
+            if not line.startswith("#"):
+                break
+            header.append(line)
+        launch = next((line for line in header if "torchrun" in line), "")
+        per_node = re.search(r"--nproc[_-]per[_-]node[ =](\d+)", launch)
+        nodes = re.search(r"--nnodes[ =](\d+)", launch)
+        if per_node:
+            world = int(per_node.group(1)) * (int(nodes.group(1)) if nodes else 1)
+            return world, f"the launch in {path.name}'s header"
+    return 1, "no launch given: --world-size W sizes for W ranks"
 
 
 def dry_run_summary(recipe: Recipe, world: int = 1) -> list[str]:
