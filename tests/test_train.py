@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -130,13 +131,23 @@ def test_resume_with_changed_objective_is_refused(runs):
 
 
 def test_metrics_reach_trackio(runs, monkeypatch):
-    base, _, _ = runs
+    base, full, _ = runs
     from trackio import sqlite_storage
     from trackio.sqlite_storage import SQLiteStorage
 
     monkeypatch.setattr(sqlite_storage, "TRACKIO_DIR", base / "full" / "trackio")
 
     logs = SQLiteStorage.get_logs("test_train", "tiny_cpu")
+    # the dashboard hint the run printed names the run's database: as printed, it finds it
+    hint = re.search(r"\* trackio dashboard: (TRACKIO_DIR=(\S+) trackio) show (.*)", full.stdout)
+    assert hint, full.stdout[-2000:]
+    listed = subprocess.run(
+        f"{hint.group(1)} list runs {hint.group(3)}",
+        shell=True, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"},
+    )  # fmt: skip
+    assert listed.returncode == 0 and "tiny_cpu" in listed.stdout, listed.stdout + listed.stderr
+    assert Path(hint.group(2)) == base / "full" / "trackio"
     train_logs = [m for m in logs if "loss" in m]
     assert len(train_logs) == STEPS
     last = train_logs[-1]

@@ -8,8 +8,11 @@ half-written is dropped), so the file reads as one uninterrupted history.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,13 @@ import torch
 from tqdm import tqdm
 
 from specforge_dspark.config.recipe import Recipe
+
+
+def dashboard_command(project: str) -> str:
+    """The shell command that shows this run's trackio dashboard: trackio's own hint
+    lacks the database folder (TRACKIO_DIR) a run sets."""
+    where = shlex.quote(os.environ["TRACKIO_DIR"])
+    return f"TRACKIO_DIR={where} trackio show --project {shlex.quote(project)}"
 
 
 class Tracker:
@@ -53,15 +63,21 @@ class Tracker:
             self._trackio = trackio
             self.project = recipe.tracking.project
             self.run_name = recipe.tracking.run_name or Path(recipe.source).stem or "run"
-            self._run = trackio.init(
-                project=self.project,
-                name=self.run_name,
-                config=recipe.to_dict(),
-                resume="allow",
-                embed=False,
-                auto_log_cpu=False,
-                auto_log_gpu=False,
-            )
+            said = io.StringIO()
+            with contextlib.redirect_stdout(said):  # its dashboard hint omits TRACKIO_DIR
+                self._run = trackio.init(
+                    project=self.project,
+                    name=self.run_name,
+                    config=recipe.to_dict(),
+                    resume="allow",
+                    embed=False,
+                    auto_log_cpu=False,
+                    auto_log_gpu=False,
+                )
+            for line in said.getvalue().splitlines():
+                if not any(x in line for x in ("View dashboard", "trackio show", "trackio.show(")):
+                    print(line)
+            print(f"* trackio dashboard: {dashboard_command(self.project)}", flush=True)
         self.bar = tqdm(
             total=total_steps,
             initial=start_step,
