@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,36 @@ def pytest_runtest_teardown(item, nextitem):
     if nextitem is None or _GROUPS.get(nextitem.nodeid.partition("::")[0]) != group:
         for server in _GROUP_SERVERS.pop(group, []):
             server.__exit__(None, None, None)
+
+
+_STARTED = time.monotonic()
+_BUSY: dict[str, list[float]] = {}  # worker -> [seconds in tests, when its last test ended]
+_GROUP_SECONDS: dict[tuple[str, str], float] = {}  # (group, worker) -> seconds
+
+
+def pytest_runtest_logreport(report):
+    """The suite's cost, per worker and per xdist group (on the controller)."""
+    node = getattr(report, "node", None)
+    worker = node.gateway.id if node is not None else "main"
+    busy = _BUSY.setdefault(worker, [0.0, 0.0])
+    busy[0] += report.duration
+    busy[1] = time.monotonic() - _STARTED
+    group = report.nodeid.rpartition("@")[2] if "@" in report.nodeid else "-"
+    _GROUP_SECONDS[group, worker] = _GROUP_SECONDS.get((group, worker), 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print where the suite's time went: each worker's busy seconds and when it went idle
+    (a worker idle long before the other is time a better group order would save), and the
+    costliest groups."""
+    if set(_BUSY) <= {"main"}:  # one process: --durations says it all
+        return
+    write = terminalreporter.write_line
+    write("")
+    for worker, (busy, last) in sorted(_BUSY.items()):
+        write(f"worker {worker}: {busy:.0f} s in tests, last test ended {last:.0f} s in")
+    top = sorted(_GROUP_SECONDS.items(), key=lambda kv: -kv[1])[:12]
+    write("costliest groups: " + ", ".join(f"{g} on {w} {s:.0f} s" for (g, w), s in top))
 
 
 @pytest.fixture(scope="module")
