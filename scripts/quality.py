@@ -86,6 +86,15 @@ def regenerated(recipe: str, target: Path) -> Path:
     return out
 
 
+def recipe_digest(recipe: str, overrides: list[str]) -> str:
+    """A finished run is reused only for the same resolved recipe: the file's contents and
+    the overrides, as loaded (an edited recipe retrains)."""
+    from specforge_dspark.config.recipe import load_recipe
+
+    resolved = load_recipe(recipe, overrides).to_dict()
+    return hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def train_budget(
     recipe: str, data: Path, steps: int, out: Path, nproc: int, train: tuple = TRAIN
 ) -> dict:
@@ -96,12 +105,13 @@ def train_budget(
         "data.format=messages", "data.max_rows=0", *train,
     ]  # fmt: skip
     record = out / "budget.json"
+    digest = recipe_digest(recipe, overrides)
     if record.is_file():
         kept = json.loads(record.read_text())
-        if kept["overrides"] == overrides:
+        if kept["overrides"] == overrides and kept.get("recipe_digest") == digest:
             print(f"reusing {out} ({steps} steps)")
             return kept
-        print(f"{out}: trained with other settings; training it afresh")
+        print(f"{out}: trained with another recipe or other settings; training it afresh")
         shutil.rmtree(out)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
@@ -118,6 +128,7 @@ def train_budget(
         "training_tokens": state["tokens"] * nproc,  # rank 0's supervised tokens x ranks
         "train_seconds": round(time.time() - t, 1),
         "overrides": overrides,
+        "recipe_digest": digest,
     }
     record.write_text(json.dumps(result, indent=1))
     return result

@@ -120,3 +120,29 @@ def test_the_bakeoff_shows_the_decoded_texts_where_a_kind_loses(bakeoff, tmp_pat
     assert "## gsm8k: dflash 2.50 below dspark 4.00" in text
     assert "text eval_dflash 1" in text and "text eval_dspark 1" in text  # both decoded texts
     assert "humaneval" not in text
+
+
+def test_a_finished_run_is_reused_only_for_the_same_recipe(quality, tmp_path, monkeypatch):
+    """`make quality` / `make bakeoff` keep a finished run when rerun, but an edited recipe
+    (not only other overrides) trains it afresh."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text((REPO / "recipes" / "tiny_cpu.yaml").read_text())
+    out, data = tmp_path / "run", tmp_path / "data.jsonl"
+    trained = []
+
+    def fake_run(cmd, **kwargs):  # the training job: writes what a finished run leaves
+        trained.append(cmd)
+        (out / "ckpt" / "step-5").mkdir(parents=True)
+        (out / "ckpt" / "step-5" / "train_state.json").write_text('{"tokens": 10}')
+
+    monkeypatch.setattr(quality.subprocess, "run", fake_run)
+    first = quality.train_budget(str(recipe), data, 5, out, 1, ())
+    assert len(trained) == 1 and first["recipe_digest"]
+    assert quality.train_budget(str(recipe), data, 5, out, 1, ()) == first  # reused
+    assert len(trained) == 1
+    recipe.write_text(recipe.read_text().replace("num_anchors: ", "num_anchors: 1", 1))
+    assert (
+        quality.train_budget(str(recipe), data, 5, out, 1, ())["recipe_digest"]
+        != first["recipe_digest"]
+    )
+    assert len(trained) == 2  # the edited recipe trained afresh
