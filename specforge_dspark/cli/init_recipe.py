@@ -362,14 +362,8 @@ def _emit(lines: list[str], key: str, value: Any, notes: dict[str, str], parent:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = command_parser(
-        "specforge_dspark.cli.init_recipe",
-        __doc__.split("\n\n")[0],
-        (
-            "python -m specforge_dspark.cli.init_recipe --target /models/Qwen3-8B "
-            "--out recipes/qwen3_8b.yaml"
-        ),
-    )
+    ex = "python -m specforge_dspark.cli.init_recipe --target /models/Qwen3-8B --out qwen3.yaml"
+    ap = command_parser("specforge_dspark.cli.init_recipe", __doc__.split("\n\n")[0], ex)
     ap.add_argument("--target", required=True, type=Path, help="checkpoint dir (config.json)")
     ap.add_argument("--kind", choices=["dspark", "dflash", "dflash2"], default="dspark")
     ap.add_argument("--gpus", type=int, help="GPUs to train on (default: visible; 0 = CPU)")
@@ -378,9 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--aux-layers", type=int, default=5, help="aux target layers to tap")
     args = ap.parse_args(argv)
     if args.gpus is None:
-        import torch
-
-        args.gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        args.gpus = __import__("torch").cuda.device_count()  # 0 without CUDA
     tmp = args.out.with_name(f".{args.out.name}.tmp")
     try:
         if args.gpus < 0 or args.aux_layers < 1:

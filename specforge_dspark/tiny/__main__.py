@@ -1,5 +1,36 @@
-"""`python -m specforge_dspark.tiny`: build a tiny target (see tiny/target.py)."""
+"""`python -m specforge_dspark.tiny`: build a tiny target (see tiny/target.py). Its
+command line lives here, outside the build key (target.build_key hashes the package's other
+sources), so that a change to it rebuilds nothing."""
 
-from specforge_dspark.tiny.target import main
+from __future__ import annotations
 
-raise SystemExit(main())
+from pathlib import Path
+
+from specforge_dspark.cli.parser import command_parser
+from specforge_dspark.tiny.target import ARCHS, PRETRAIN_STEPS, build
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = command_parser(
+        "specforge_dspark.tiny",
+        "Build a tiny target (Inkling or Qwen3) on CPU, cached by its build key.",
+        "python -m specforge_dspark.tiny --out .cache/tiny_target",
+        "python -m specforge_dspark.tiny --arch qwen3 --out .cache/tiny_qwen3",
+    )
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--arch", choices=ARCHS, default="inkling")
+    ap.add_argument("--vocab", type=int, default=1024, help="BPE vocabulary (before padding)")
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument(
+        "--pretrain-steps", type=int, default=None, help=f"default by arch: {PRETRAIN_STEPS}"
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--force", action="store_true", help="rebuild even if cached")
+    a = ap.parse_args(argv)
+    build(a.out, a.vocab, a.arch, a.hidden, a.layers, a.pretrain_steps, a.seed, a.force)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

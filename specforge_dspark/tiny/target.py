@@ -34,7 +34,6 @@ from pathlib import Path
 
 import torch
 
-from specforge_dspark.cli.parser import command_parser
 from specforge_dspark.tiny.corpus import corpus, data_files
 from specforge_dspark.tiny.model import make_config, train_tokenizer
 from specforge_dspark.tiny.pretrain import PRETRAIN_STEPS, greedy_loop_rate, heldout_loss, pretrain
@@ -50,7 +49,8 @@ def build_key(settings: dict) -> str:
     h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     if settings.get("version", 0) >= 4:
         for src in sorted(Path(__file__).parent.glob("*.py")):  # the builder's code
-            h.update(src.read_bytes())
+            if src.name != "__main__.py":  # its command line builds nothing
+                h.update(src.read_bytes())
         for f in data_files():
             h.update(f.read_bytes())
     return h.hexdigest()[:16]
@@ -207,29 +207,3 @@ def _build_into(out: Path, settings: dict, key: str, log) -> None:
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     log(f"tiny target: saved to {out} ({time.time() - t0:.0f} s)")
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = command_parser(
-        "specforge_dspark.tiny",
-        __doc__.split("\n\n")[0],
-        "python -m specforge_dspark.tiny --out .cache/tiny_target",
-        "python -m specforge_dspark.tiny --arch qwen3 --out .cache/tiny_qwen3",
-    )
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--arch", choices=ARCHS, default="inkling")
-    ap.add_argument("--vocab", type=int, default=1024, help="BPE vocabulary (before padding)")
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument(
-        "--pretrain-steps", type=int, default=None, help=f"default by arch: {PRETRAIN_STEPS}"
-    )
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--force", action="store_true", help="rebuild even if cached")
-    a = ap.parse_args(argv)
-    build(a.out, a.vocab, a.arch, a.hidden, a.layers, a.pretrain_steps, a.seed, a.force)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
