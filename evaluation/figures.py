@@ -135,7 +135,16 @@ def render_bakeoff(res: dict) -> str:
     for name, k in kinds.items():
         cells = [_cell(k["workloads"][w]["accept_length"], k["workloads"][w]["accept_length_ci"])
                  for w in workloads]  # fmt: skip
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {k['flops_per_step'] / 1e6:.1f} |")
+        label = "n-gram" if name == "ngram" else name
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {k['flops_per_step'] / 1e6:.1f} |")
+    pairs = [r for r in res.get("paired", []) if r["workload"] == "overall"]
+    if pairs:
+        said = [
+            f"{r['a']} - {r['b']} {r['difference']:+.3f} [{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}]"
+            + (f" ({r['better']} better)" if r["better"] else "")
+            for r in pairs
+        ]
+        lines += ["", "Paired on the same prompts, overall: " + "; ".join(said) + "."]
     return "\n".join(lines) + "\n"
 
 

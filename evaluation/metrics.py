@@ -97,6 +97,34 @@ def bootstrap_ci(
     return [round(float(low), 4), round(float(high), 4)]
 
 
+def paired_difference(
+    a: dict, b: dict, n_boot: int = 2000, level: float = 0.95, seed: int = 0
+) -> dict:
+    """Accept length of drafter `a` minus drafter `b` decoded on the SAME prompts: each maps
+    a unit (a prompt, or an MT-Bench conversation) to (committed tokens, verify steps).
+    Both are resampled with the same units, so the interval is the paired one (the
+    prompts' own difficulty cancels). Returns {"difference", "ci", "units", "better"}:
+    "better" is "a" or "b" only where the interval excludes 0, else None."""
+    import torch
+
+    if set(a) != set(b):
+        raise ValueError(f"paired_difference: {len(set(a) ^ set(b))} units decoded by one only")
+    keys = sorted(a, key=repr)
+    tensors = [torch.tensor([d[k] for k in keys], dtype=torch.float64) for d in (a, b)]
+    (ca, na), (cb, nb) = (t.unbind(1) for t in tensors)
+    point = float(ca.sum() / na.sum() - cb.sum() / nb.sum())
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(keys), (n_boot, len(keys)), generator=gen)
+    diffs = ca[idx].sum(1) / na[idx].sum(1).clamp_min(1e-12) - cb[idx].sum(1) / nb[idx].sum(
+        1
+    ).clamp_min(1e-12)
+    alpha = (1 - level) / 2
+    low, high = (float(x) for x in torch.quantile(diffs, torch.tensor([alpha, 1 - alpha]).double()))
+    better = "a" if low > 0 else "b" if high < 0 else None
+    return {"difference": round(point, 4), "ci": [round(low, 4), round(high, 4)],
+            "units": len(keys), "better": better}  # fmt: skip
+
+
 def accept_length_ci(gens: list[Generation], units: list) -> list[float] | None:
     """95% bootstrap interval of the pooled accept length, resampling conversations
     (`units[i]` names generation i's; an MT-Bench conversation's two turns stay together)."""

@@ -109,6 +109,32 @@ def cells(results: dict, name: str) -> dict:
     return out
 
 
+def paired(names: list[str], workloads: list[str], out: Path) -> list[dict]:
+    """Every pair of drafters, per workload and overall: a's accept length minus b's on the
+    same prompts with its paired 95% interval (evaluation.metrics.paired_difference);
+    "better" only where the interval excludes 0."""
+    from evaluation.metrics import paired_difference
+
+    units = {}
+    for name in names:  # (workload, prompt) -> (committed, verify steps), turns summed
+        u: dict = {}
+        for line in (out / f"eval_{name}" / "generations.jsonl").open():
+            g = json.loads(line)
+            c, n = u.get((g["workload"], g["index"]), (0, 0))
+            u[(g["workload"], g["index"])] = (c + g["committed"], n + g["verify_steps"])
+        units[name] = u
+    rows = []
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            for w in [*workloads, "overall"]:
+                pick = [k for k in units[a] if w == "overall" or k[0] == w]
+                ua, ub = ({k: units[x][k] for k in pick} for x in (a, b))
+                d = paired_difference(ua, ub)
+                better = {"a": a, "b": b, None: None}[d["better"]]
+                rows.append({"a": a, "b": b, "workload": w, **d, "better": better})
+    return rows
+
+
 def _generations(eval_dir: Path, workload: str) -> dict[int, dict]:
     rows = (json.loads(x) for x in (eval_dir / "generations.jsonl").open())
     return {r["index"]: r for r in rows if r["workload"] == workload and r["turn"] == 0}
@@ -161,12 +187,17 @@ def main(argv: list[str] | None = None) -> int:
               f"{flops['flops_per_drafted_token'] / 1e6:5.2f} per drafted token, accept length "
               f"{al:.3f} = {compute[kind]['accept_length_per_gflop']:.1f} per GFLOP")  # fmt: skip
     lost = losses_report(results, workloads, out)
+    pairs = paired(list(drafts), workloads, out)
+    for r in (r for r in pairs if r["workload"] == "overall"):
+        print(f"{r['a']} - {r['b']}: {r['difference']:+.3f} {r['ci']} "
+              f"({r['better'] + ' better' if r['better'] else 'no difference shown'})")  # fmt: skip
     summary = {
         "kinds": {
             name: {**compute.get(name, {"flops_per_step": 0.0}), "workloads": cells(results, name)}
             for name in drafts
         },
         "losses": lost,
+        "paired": pairs,
         "context_tokens_for_flops": ctx,
         "training": {k: v for k, v in trained.items() if k != "exports"},
         "recipe": RECIPE,

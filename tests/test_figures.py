@@ -95,3 +95,47 @@ def test_provenance_names_this_commit():
         ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
     ).stdout.strip()
     assert p["commit"].split("+")[0] == head and p["command"] == "python scripts/demo.py"
+
+
+def test_the_bakeoff_pairs_drafters_on_the_same_prompts(tmp_path):
+    """scripts/bakeoff.py's paired comparison from the decoded texts, and its rendering:
+    "better" only where the paired interval excludes 0."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    spec = importlib.util.spec_from_file_location("bakeoff", REPO / "scripts" / "bakeoff.py")
+    bakeoff = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bakeoff)
+    per_step = {"dspark": 3.0, "dflash": 2.0, "ngram": 2.0}  # committed per verify step
+    for name, rate in per_step.items():
+        (tmp_path / f"eval_{name}").mkdir()
+        rows = []
+        for w in ("gsm8k", "mt_bench"):
+            for i in range(12):
+                steps = 10 + 3 * i
+                for turn in (0, 1) if w == "mt_bench" else (0,):
+                    jitter = (i % 3) - 1 if name == "dflash" else 0  # dflash ~ ngram, noisier
+                    rows.append({"workload": w, "index": i, "turn": turn, "verify_steps": steps,
+                                 "committed": rate * steps + jitter})  # fmt: skip
+        lines = "".join(json.dumps(r) + "\n" for r in rows)
+        (tmp_path / f"eval_{name}" / "generations.jsonl").write_text(lines)
+    pairs = bakeoff.paired(list(per_step), ["gsm8k", "mt_bench"], tmp_path)
+    got = {(r["a"], r["b"], r["workload"]): r for r in pairs}
+    assert len(pairs) == 3 * 3  # 3 pairs x (2 workloads + overall)
+    assert got["dspark", "dflash", "overall"]["better"] == "dspark"
+    assert got["dspark", "dflash", "overall"]["difference"] == pytest.approx(1.0, abs=0.02)
+    assert got["dflash", "ngram", "overall"]["better"] is None  # its interval holds 0
+    assert got["dspark", "ngram", "mt_bench"]["units"] == 12  # a conversation is one unit
+    res = {
+        "kinds": {n: {"flops_per_step": 2e7 if n != "ngram" else 0.0, "workloads": {
+            "gsm8k": {"accept_length": r, "accept_length_ci": [r - 0.1, r + 0.1]}}}
+            for n, r in per_step.items()},
+        "paired": pairs, "num_prompts": 12, "max_new_tokens": 64,
+        "provenance": {"date": "2026-12-04", "commit": "abc1234", "machine": "2-core CPU",
+                       "command": "python scripts/bakeoff.py --nproc 2"},
+    }  # fmt: skip
+    text = figures.render_bakeoff(res)
+    assert "| n-gram | 2.000 [1.90, 2.10] | 0.0 |" in text
+    assert "dspark - dflash +1.000" in text and "(dspark better)" in text
+    assert "dflash - ngram" in text and "(dflash better)" not in text

@@ -63,3 +63,46 @@ def test_bootstrap_of_a_ratio_resamples_units_not_steps():
     assert bootstrap_ci([]) is None
     with pytest.raises(ValueError, match="denominators"):
         bootstrap_ci([1.0, 2.0], [1.0])
+
+
+def test_paired_difference_sees_what_overlapping_intervals_hide():
+    """Prompts of very different difficulty: each drafter's own interval is wide and the two
+    overlap, but `b` commits more than `a` on every prompt (0.2 a step on average), and the paired interval of
+    a - b (the same resampled prompts for both) lies below 0. An independent paired
+    bootstrap (python's random, another generator) gives the same interval within
+    resampling noise; `a` against itself is 0 exactly."""
+    from evaluation.metrics import paired_difference
+
+    rng = random.Random(7)
+    a, b = {}, {}
+    for k in range(40):
+        steps = rng.randint(20, 40)
+        easy = rng.random() < 0.5
+        c = steps * (4.0 if easy else 1.5)
+        a[("gsm8k", k)] = (c, steps)
+        b[("gsm8k", k)] = (c + steps * rng.uniform(0.0, 0.4), steps)  # 0.2 more on average
+    ca, na = zip(*a.values(), strict=True)
+    cb, nb = zip(*b.values(), strict=True)
+    ia, ib = bootstrap_ci(list(ca), list(na)), bootstrap_ci(list(cb), list(nb))
+    assert ia[1] > ib[0]  # unpaired: the intervals overlap
+    got = paired_difference(a, b)
+    assert got["difference"] == pytest.approx(-0.2, abs=0.05)
+    assert got["ci"][0] < got["difference"] < got["ci"][1]
+    assert got["ci"][1] < 0 and got["better"] == "b" and got["units"] == 40
+
+    keys = list(a)
+    ref = []
+    for _ in range(4000):  # the reference: sum-ratio difference over resampled prompts
+        pick = [keys[rng.randrange(len(keys))] for _ in keys]
+        ref.append(
+            sum(a[k][0] for k in pick) / sum(a[k][1] for k in pick)
+            - sum(b[k][0] for k in pick) / sum(b[k][1] for k in pick)
+        )
+    ref.sort()
+    assert got["ci"][0] == pytest.approx(ref[100], abs=0.01)
+    assert got["ci"][1] == pytest.approx(ref[3899], abs=0.01)
+
+    same = paired_difference(a, a)
+    assert same["difference"] == 0 and same["ci"] == [0, 0] and same["better"] is None
+    with pytest.raises(ValueError, match="1 units decoded by one only"):
+        paired_difference(a, {**b, ("math500", 0): (3, 1)})
