@@ -90,7 +90,6 @@ SUPPORTED_VALUES: dict[str, tuple] = {
     "selector_rank": (0,),
     "attention_sink_bias": (False,),
     "attention_value_scale": (),
-    "projector_type": (),
     "output_multiplier": (1.0,),
     "final_logit_softcapping": (0, 0.0),
     "is_causal": (),

@@ -104,7 +104,6 @@ _SUPPORTED_VALUES: dict[str, tuple] = {
     "conv_kernel_size": (0,),
     "attention_sink_bias": (False,),
     "attention_value_scale": (),
-    "projector_type": (),
     "selector_rank": (0,),
 }
 _SIZES = (*DECODER_SIZES, "block_size", "markov_rank")

@@ -113,6 +113,10 @@ def config_reader(d: dict[str, Any], nested: dict[str, Any], *, root_wins: bool)
     return get
 
 
+DOMINO = "domino"
+"""The one projector_type SGLang 0.5.23 builds differently (a prefix GRU + embed_proj)."""
+
+
 def read_decoder_fields(
     d: dict[str, Any],
     get: Callable,
@@ -126,8 +130,16 @@ def read_decoder_fields(
     then 10000, num_target_layers = max(target_layer_ids) + 1, `block_size` given.
 
     A setting in `supported` (key -> the values `owner` implements; absent or null is
-    always fine) with another value, or a RoPE other than the default, raises ValueError.
+    always fine) with another value, a RoPE other than the default, or the Domino
+    projector raises ValueError. SGLang reads every other `projector_type` (SpecForge's
+    exports write "dspark") as the plain fc projector, and so do we.
     """
+    if get("projector_type", None) == DOMINO:  # any other value is SGLang's plain projector
+        raise ValueError(
+            f"config.json: projector_type={DOMINO!r} is not supported by {owner}: SGLang "
+            "0.5.23 builds a Domino projector for it (speculative/dflash_utils.py:734, "
+            "models/dflash.py:987: a prefix GRU and embed_proj) that this drafter does not have"
+        )
     for key, allowed in supported.items():
         value = get(key, None)
         if value is not None and value not in allowed:
