@@ -329,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--draft",
         required=True,
-        help="exported drafter (config.json + safetensors), or ngram:G for the n-gram baseline",
+        help="exported drafter (config.json + safetensors), ngram:G for the n-gram baseline, or "
+        "no-selector:DIR for a DFlash2 export with its selector off",
     )
     ap.add_argument(
         "--workloads",

@@ -36,6 +36,7 @@ import demo  # noqa: E402  (scripts/demo.py: evaluation split, tables)
 import quality  # noqa: E402  (scripts/quality.py: the cached on-policy answers)
 
 RECIPE = "recipes/tiny_cpu_bakeoff.yaml"
+BACKBONE = {"dflash2_no_selector": "dflash"}  # a drafter costed as the kind of its network
 TRAIN = (
     "train.epochs=1000",  # train.max_steps decides
     "train.eval_interval=0",
@@ -172,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
 
     demo.step("3/4 acceptance by speculative decoding (held-out prompts)")
     drafts = {**trained["exports"], "ngram": ("ngram", recipe.draft.block_size)}
+    if "dflash2" in drafts:  # the same checkpoint with its selector off: the selector's gain
+        drafts["dflash2_no_selector"] = f"no-selector:{drafts['dflash2']}"
     results, workloads, eval_seconds = demo.judge(
         drafts, target, a.num_prompts, a.max_new_tokens, out
     )
@@ -193,7 +196,10 @@ def main(argv: list[str] | None = None) -> int:
               f"({r['better'] + ' better' if r['better'] else 'no difference shown'})")  # fmt: skip
     summary = {
         "kinds": {
-            name: {**compute.get(name, {"flops_per_step": 0.0}), "workloads": cells(results, name)}
+            name: {
+                **compute.get(name, compute.get(BACKBONE.get(name), {"flops_per_step": 0.0})),
+                "workloads": cells(results, name),
+            }  # fmt: skip
             for name in drafts
         },
         "losses": lost,

@@ -178,3 +178,33 @@ def test_export_is_what_sglangs_dflash2_model_loads(tmp_path, monkeypatch):
     for name in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight"):
         key = f"candidate_selector.{name}"
         assert torch.equal(params[key].float(), ours[key].float()), key
+
+
+def test_the_selector_off_drafts_the_backbones_argmax_from_the_same_export(tmp_path):
+    """`no-selector:DIR` (decoding/loading.py) decodes a DFlash2 export as DFlash would:
+    every row's argmax of the same backbone, so the selector's own gain is measured from
+    one checkpoint; a DSpark or DFlash export is refused (it has no selector)."""
+    from specforge_dspark.decoding.loading import load_drafter
+
+    draft, head = draft_and_head()
+    draft = draft.float()
+    draft.save_pretrained(tmp_path / "dflash2", dtype=torch.float32)
+    on = load_drafter(str(tmp_path / "dflash2"), "cpu", torch.float32)
+    off = load_drafter(f"no-selector:{tmp_path / 'dflash2'}", "cpu", torch.float32)
+    assert on.use_selector and not off.use_selector
+    logits = lambda h: head.logits(h).float()  # noqa: E731
+    g = torch.Generator().manual_seed(5)
+    differed = 0
+    for ctx_len, bonus in ((6, 3), (9, 40), (12, 17)):
+        ctx = off.context(torch.randn(1, 12, 64, generator=g))
+        ours, _ = off.propose(ctx, ctx_len, bonus, head.embed, head.logits)
+        with torch.no_grad():
+            h = off.block_hidden(ctx, ctx_len, bonus, head.embed)[1:]
+        assert ours.tolist() == logits(h).argmax(-1).tolist()  # DFlash's drafts
+        with_selector, _ = on.propose(ctx, ctx_len, bonus, head.embed, head.logits)
+        differed += int(not torch.equal(with_selector, ours))
+    assert differed >= 1, "the selector never changed a draft: the check shows nothing"
+    plain, _ = dflash_draft_and_head(0)
+    plain.save_pretrained(tmp_path / "dflash", dtype=torch.float32)
+    with pytest.raises(ValueError, match="not a DFlash2 export"):
+        load_drafter(f"no-selector:{tmp_path / 'dflash'}", "cpu", torch.float32)

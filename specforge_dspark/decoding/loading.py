@@ -14,15 +14,25 @@ from specforge_dspark.decoding.spec_decode import Drafter
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+NO_SELECTOR = "no-selector:"
+
+
 def load_drafter(draft: str | Path | Drafter, device: str, dtype: torch.dtype) -> Drafter:
     """An exported SGLang-layout directory (config.json + model.safetensors; DSpark or
     DFlash), `ngram:G` (the training-free prompt-lookup drafter of block size G,
-    decoding/ngram.py) or a drafter; a module is moved to `device` and `dtype`, in eval
+    decoding/ngram.py), `no-selector:DIR` (a DFlash2 export drafting its backbone's
+    argmax, the selector off) or a drafter; a module is moved to `device` and `dtype`, in eval
     mode."""
     if isinstance(draft, str) and draft.startswith("ngram:"):
         from specforge_dspark.decoding.ngram import NgramDrafter
 
         return NgramDrafter(int(draft.removeprefix("ngram:")))
+    if isinstance(draft, str) and draft.startswith(NO_SELECTOR):
+        drafter = load_drafter(draft.removeprefix(NO_SELECTOR), device, dtype)
+        if not hasattr(drafter, "use_selector"):
+            raise ValueError(f"--draft {draft}: not a DFlash2 export (it has no selector)")
+        drafter.use_selector = False
+        return drafter
     if isinstance(draft, (str, Path)):
         from specforge_dspark.drafters.registry import load_draft
 

@@ -152,6 +152,9 @@ class DFlash2Draft(DFlashDraft):
         self.candidate_selector = CandidateSelector(
             config.hidden_size, config.vocab_size, config.selector_rank, config.selector_top_k
         )
+        self.use_selector = True
+        """False: draft each row's argmax as DFlash does (the same checkpoint, selector
+        off), to measure what the selector itself adds."""
 
     def drafts(
         self,
@@ -161,7 +164,10 @@ class DFlash2Draft(DFlashDraft):
     ) -> torch.Tensor:
         """Greedy drafts as SGLang's DFLASH worker makes them for a DFlash2 draft (`propose`
         of the DFlash backbone calls this with rows 1..G-1): their top-K candidates, the
-        selector's lattice over them, walked greedily."""
+        selector's lattice over them, walked greedily (the backbone's argmax with the
+        selector off)."""
+        if not self.use_selector:
+            return super().drafts(h_DH, bonus_token, logits_fn)
         unary_DK, cand_DK = logits_fn(h_DH).float().topk(self.candidate_selector.top_k, -1)
         bonus = torch.as_tensor(bonus_token, device=cand_DK.device).reshape(1, 1)
         pred_DK = torch.cat((bonus.expand(1, cand_DK.shape[1]), cand_DK[:-1]))
