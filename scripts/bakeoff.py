@@ -114,7 +114,7 @@ def paired(names: list[str], workloads: list[str], out: Path) -> list[dict]:
     """Every pair of drafters, per workload and overall: a's accept length minus b's on the
     same prompts with its paired 95% interval (evaluation.metrics.paired_difference);
     "better" only where the interval excludes 0."""
-    from evaluation.metrics import paired_difference
+    from specforge_dspark.decoding.intervals import paired_difference
 
     units = {}
     for name in names:  # (workload, prompt) -> (committed, verify steps), turns summed

@@ -101,7 +101,7 @@ def _evaluate_part(workloads: tuple[str, ...], drafts: dict, kw: dict, part: int
 def pool(parts: list[dict], eval_dir: Path) -> dict:
     """One drafter's summaries of disjoint workloads as one: pooled over verify steps, the
     interval bootstrapped over every prompt (from the parts' generations.jsonl)."""
-    from evaluation.metrics import bootstrap_ci
+    from specforge_dspark.decoding.intervals import bootstrap_ci
 
     workloads = {w: v for p in parts for w, v in p["workloads"].items()}
     steps = sum(v["steps"] for v in workloads.values())

@@ -68,7 +68,7 @@ def accept_length(rows: list[dict]) -> float:
 
 def bootstrap(rows: list[dict]) -> list[float]:
     """95% percentile bootstrap over prompts of the pooled accept length."""
-    from evaluation.metrics import bootstrap_ci
+    from specforge_dspark.decoding.intervals import bootstrap_ci
 
     return bootstrap_ci([r["committed"] for r in rows], [r["steps"] for r in rows])
 

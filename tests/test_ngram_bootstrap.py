@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from evaluation.metrics import bootstrap_ci
+from specforge_dspark.decoding.intervals import bootstrap_ci
 from specforge_dspark.decoding.ngram import NgramDrafter, lookup
 
 
@@ -67,11 +67,11 @@ def test_bootstrap_of_a_ratio_resamples_units_not_steps():
 
 def test_paired_difference_sees_what_overlapping_intervals_hide():
     """Prompts of very different difficulty: each drafter's own interval is wide and the two
-    overlap, but `b` commits more than `a` on every prompt (0.2 a step on average), and the paired interval of
-    a - b (the same resampled prompts for both) lies below 0. An independent paired
-    bootstrap (python's random, another generator) gives the same interval within
-    resampling noise; `a` against itself is 0 exactly."""
-    from evaluation.metrics import paired_difference
+    overlap, but `b` commits more than `a` on every prompt (0.2 a step on average), and the
+    paired interval of a - b (the same resampled prompts for both) lies below 0. An
+    independent paired bootstrap (python's random, another generator) gives the same
+    interval within resampling noise; `a` against itself is 0 exactly."""
+    from specforge_dspark.decoding.intervals import paired_difference
 
     rng = random.Random(7)
     a, b = {}, {}
