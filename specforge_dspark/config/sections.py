@@ -279,6 +279,23 @@ class CompanionRecipe:
 
 
 @dataclass
+class LoopRecipe:
+    """The closed loop from served traffic back into the drafter (specforge_dspark/loop/)."""
+
+    dir: str = ""
+    """Records, rounds and versions; defaults to <train.output_dir>/loop."""
+    rows_per_round: int = 512
+    """Training rows of one round's mix."""
+    replay_share: float = 0.3
+    """Share of a round's rows drawn from data.train_files (what the drafter learnt
+    before); the rest are recorded requests, lowest served accept length first."""
+    holdout_share: float = 0.2
+    """Share of recorded requests kept for the gate (chosen by id, never trained on)."""
+    forget_margin: float = 0.1
+    """A candidate is not promoted when any workload's accept length drops by more."""
+
+
+@dataclass
 class Recipe:
     target: TargetRecipe = field(default_factory=TargetRecipe)
     draft: DraftRecipe = field(default_factory=DraftRecipe)
@@ -290,6 +307,7 @@ class Recipe:
     checkpoint: CheckpointRecipe = field(default_factory=CheckpointRecipe)
     tracking: TrackingRecipe = field(default_factory=TrackingRecipe)
     export: ExportRecipe = field(default_factory=ExportRecipe)
+    loop: LoopRecipe = field(default_factory=LoopRecipe)
     companions: list[CompanionRecipe] = field(default_factory=list)
     """More drafters fed by the same capture, each its own optimizer, schedule, checkpoint
     and export (training/drafters.py); the main drafter is the recipe's own."""

@@ -190,6 +190,11 @@ def validate(r: Recipe) -> list[str]:
     need(r.data.max_length >= d.block_size + 1, "data.max_length must exceed draft.block_size")
     need(r.data.max_rows >= 0, "data.max_rows must be >= 0")
     need(r.data.regenerate.concurrency >= 1, "data.regenerate.concurrency must be >= 1")
+    lp = r.loop
+    need(lp.rows_per_round >= 1, f"loop.rows_per_round must be >= 1, got {lp.rows_per_round}")
+    need(0 <= lp.replay_share <= 1, f"loop.replay_share must be in [0, 1], got {lp.replay_share}")
+    need(0 <= lp.holdout_share < 1, f"loop.holdout_share must be in [0, 1), got {lp.holdout_share}")
+    need(lp.forget_margin >= 0, f"loop.forget_margin must be >= 0, got {lp.forget_margin}")
     return e
 
 

@@ -1,0 +1,79 @@
+"""Promotion of a candidate drafter (loop step 4) and the versions kept (lineage).
+
+The engine decodes the held-out recorded requests with the serving drafter and with the
+candidate; both give, per request, (committed tokens, verify steps). The candidate is
+promoted only if its paired gain over the serving drafter (decoding/intervals.py, the
+same requests resampled for both) has an interval above 0, and no workload loses more
+than `forget_margin` of accept length."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specforge_dspark.decoding.intervals import paired_difference
+
+
+@dataclass
+class Decision:
+    promote: bool
+    why: str
+    overall: dict[str, Any]
+    workloads: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def gate(
+    candidate: dict,
+    serving: dict,
+    workload_of: dict,
+    forget_margin: float,
+    level: float = 0.95,
+) -> Decision:
+    """`candidate`, `serving`: request -> (committed, verify steps) on the same requests;
+    `workload_of`: request -> its workload."""
+    overall = paired_difference(candidate, serving, level=level)
+    per = {}
+    for w in sorted(set(workload_of.values())):
+        keys = [k for k in candidate if workload_of[k] == w]
+        per[w] = paired_difference(
+            {k: candidate[k] for k in keys}, {k: serving[k] for k in keys}, level=level
+        )
+    d, ci, n = overall["difference"], overall["ci"], overall["units"]
+    gain = f"paired gain {d:+.3f} {ci} over {n} requests"
+    if overall["better"] != "a":
+        return Decision(False, f"{gain}: the interval does not lie above 0", overall, per)
+    lost = {w: r["difference"] for w, r in per.items() if r["difference"] < -forget_margin}
+    if lost:
+        said = ", ".join(f"{w} {d:+.3f}" for w, d in lost.items())
+        return Decision(False, f"{gain}, but {said} (forget_margin {forget_margin})", overall, per)
+    return Decision(True, f"{gain}; no workload loses more than {forget_margin}", overall, per)
+
+
+class Lineage:
+    """Every drafter version with its parent, export, gate decision and figures
+    (lineage.json, rewritten whole by rename); the serving version is the newest promoted."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.versions: list[dict[str, Any]] = (
+            json.loads(self.path.read_text()) if self.path.is_file() else []
+        )
+
+    def add(self, export: str, parent: int | None, decision: Decision | None) -> int:
+        version = len(self.versions)
+        self.versions.append({
+            "version": version, "parent": parent, "export": export,
+            "promoted": decision is None or decision.promote,
+            "gate": None if decision is None else asdict(decision),
+        })  # fmt: skip
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.versions, indent=1))
+        os.replace(tmp, self.path)
+        return version
+
+    def serving(self) -> dict[str, Any] | None:
+        promoted = [v for v in self.versions if v["promoted"]]
+        return promoted[-1] if promoted else None

@@ -1,0 +1,65 @@
+"""The next round's training mix from the recorded traffic (loop step 2): requests with
+the lowest served accept length first, plus a replay share of the data the drafter was
+trained on (so the old workloads are not forgotten). Every record is used once: the ids
+trained on in earlier rounds are passed in `used`, and a fixed share of requests (chosen
+by a hash of the id, so the same on every resume) is kept for the gate and never trained
+on."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Any
+
+from specforge_dspark.loop.records import served_accept_length
+
+
+def held_out(request_id: str, share: float) -> bool:
+    """Whether a request belongs to the gate's held-out slice (stable across runs)."""
+    h = int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big")
+    return h / 2**64 < share
+
+
+def quantiles(values: list[float], qs=(0.1, 0.25, 0.5, 0.75, 0.9)) -> dict[str, float]:
+    if not values:
+        return {}
+    v = sorted(values)
+    return {f"p{int(q * 100)}": round(v[min(len(v) - 1, int(q * len(v)))], 4) for q in qs}
+
+
+def mine(
+    traffic: list[dict[str, Any]],
+    replay: list[dict[str, Any]],
+    rows: int,
+    replay_share: float,
+    holdout_share: float,
+    used: set[str],
+    seed: int,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(the mix, a report). The mix: round(rows x (1 - replay_share)) recorded requests not
+    in `used` nor held out, lowest served accept length first (ties by id), then the
+    replay rows drawn with `seed`; fewer when the traffic runs short (the report says)."""
+    if not 0 <= replay_share <= 1 or rows < 1:
+        raise ValueError(
+            f"mine: rows {rows} must be >= 1 and replay_share {replay_share} in [0, 1]"
+        )
+    fresh = [r for r in traffic if r["id"] not in used and not held_out(r["id"], holdout_share)]
+    scored = [(served_accept_length(r), r["id"], r) for r in fresh]
+    scored = [s for s in scored if s[0] is not None]
+    scored.sort(key=lambda s: (s[0], s[1]))
+    want = round(rows * (1 - replay_share))
+    picked = [r for _, _, r in scored[:want]]
+    n_replay = min(len(replay), rows - want)
+    replayed = random.Random(seed).sample(replay, n_replay)
+    report = {
+        "traffic_records": len(traffic),
+        "not_yet_trained": len(fresh),
+        "mined": len(picked),
+        "replayed": n_replay,
+        "short_by": max(0, want - len(picked)),
+        "served_accept_length": {
+            "all_new_traffic": quantiles([s[0] for s in scored]),
+            "mined": quantiles([served_accept_length(r) for r in picked]),
+        },
+    }
+    return picked + replayed, report
