@@ -71,7 +71,10 @@ class HFTarget:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(path)
+        from specforge_dspark.engines.quant_targets import apply_emulation
+
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        apply_emulation(model, path)  # a quantized copy: its activations as served
         return cls(model, tok, layer_ids, cache_mode)
 
     @torch.inference_mode()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from specforge_dspark.cli.parser import command_parser
+from specforge_dspark.engines.quant_targets import FORMATS, write_quantized_copy
 from specforge_dspark.tiny.target import ARCHS, PRETRAIN_STEPS, build
 
 
@@ -16,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
         "Build a tiny target (Inkling or Qwen3) on CPU, cached by its build key.",
         "python -m specforge_dspark.tiny --out .cache/tiny_target",
         "python -m specforge_dspark.tiny --arch qwen3 --out .cache/tiny_qwen3",
+        "python -m specforge_dspark.tiny --out .cache/tiny_target --quant nvfp4",
     )
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--arch", choices=ARCHS, default="inkling")
@@ -27,8 +29,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="rebuild even if cached")
+    ap.add_argument(
+        "--quant",
+        choices=FORMATS,
+        help="also write <out>_<format>: a copy with the decoder's linear layers in this "
+        "format, served by the hf backend with the format's arithmetic",
+    )
     a = ap.parse_args(argv)
     build(a.out, a.vocab, a.arch, a.hidden, a.layers, a.pretrain_steps, a.seed, a.force)
+    if a.quant:
+        copy = write_quantized_copy(a.out, a.out.with_name(f"{a.out.name}_{a.quant}"), a.quant)
+        print(f"tiny target: {a.quant} copy written to {copy}")
     return 0
 
 

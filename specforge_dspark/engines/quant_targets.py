@@ -1,0 +1,87 @@
+"""Quantized copies of a target, served by our hf backend with the format's arithmetic
+(engines/quant_formats.py), where no engine on this CPU runs NVFP4 or FP8 kernels.
+
+`write_quantized_copy` rounds the weights of the decoder's linear layers through the format
+(the embedding, the LM head, norms and any weight whose input dimension is not whole NVFP4
+blocks stay as they are, as Model Optimizer leaves them) and names the format in
+config.json (`quantization_emulation`). `apply_emulation`, called wherever our code loads
+a target with transformers (engines/hf.py, decoding/hf_target.py), puts those layers'
+inputs through the format too, as the served W4A4 / W8A8 kernels quantize activations:
+dynamic scales per token row (NVFP4: a per-row global scale where the engine uses a
+calibrated static one; the block scales are dynamic in both).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from specforge_dspark.engines.quant_formats import NVFP4_BLOCK, fp8_round_trip, nvfp4_round_trip
+
+MARKER = "quantization_emulation"
+FORMATS = ("nvfp4", "fp8")
+_KEEP = ("embed", "lm_head", "norm", "unembed")  # names of weights never quantized
+
+
+def _round_trip(fmt: str, x: torch.Tensor) -> torch.Tensor:
+    if fmt == "nvfp4":
+        return nvfp4_round_trip(x)
+    return fp8_round_trip(x, per_row=True)
+
+
+def _quantizable(name: str, t: torch.Tensor, fmt: str) -> bool:
+    if not name.endswith(".weight") or t.dim() != 2 or any(k in name for k in _KEEP):
+        return False
+    return fmt != "nvfp4" or t.shape[1] % NVFP4_BLOCK == 0
+
+
+def write_quantized_copy(src: str | Path, out: str | Path, fmt: str) -> Path:
+    """`src` (a transformers checkpoint, one model.safetensors) copied to `out` with its
+    decoder's linear weights through `fmt`; returns `out`."""
+    from safetensors.torch import load_file, save_file
+
+    if fmt not in FORMATS:
+        raise ValueError(f"quantized copy: format must be one of {FORMATS}, got {fmt!r}")
+    src, out = Path(src), Path(out)
+    weights = src / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights}: a quantized copy needs one model.safetensors")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    state = load_file(weights)
+    done = sorted(n for n, t in state.items() if _quantizable(n, t, fmt))
+    for n in done:
+        state[n] = _round_trip(fmt, state[n]).to(state[n].dtype)
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp / "config.json").read_text())
+    config[MARKER] = {"format": fmt, "weights": done, "activations": True, "source": str(src)}
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def apply_emulation(model: torch.nn.Module, path: str | Path) -> list[str]:
+    """For a copy written by `write_quantized_copy`: the inputs of its quantized linear
+    layers go through the format on every forward. Returns the hooked module names (none
+    for any other checkpoint)."""
+    config_path = Path(path) / "config.json"
+    spec = json.loads(config_path.read_text()).get(MARKER) if config_path.is_file() else None
+    if not spec or not spec.get("activations"):
+        return []
+    fmt = spec["format"]
+    modules = dict(model.named_modules())
+    hooked = []
+    for weight in spec["weights"]:
+        name = weight.removesuffix(".weight")
+        module = modules.get(name) or modules.get(name.removeprefix("model."))
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(
+                lambda _m, args, fmt=fmt: (_round_trip(fmt, args[0]).to(args[0].dtype),)
+            )
+            hooked.append(name)
+    return hooked
