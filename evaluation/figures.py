@@ -122,21 +122,26 @@ def render_demo(res: dict) -> str:
 
 
 def render_bakeoff(res: dict) -> str:
-    """The bake-off's table from runs/bakeoff/summary.json."""
-    kinds = res["kinds"]
+    """The bake-off's table from runs/bakeoff/summary.json: per drafter its settings (each
+    difference between rows a named column) and accept length per workload."""
+    kinds, settings = res["kinds"], res.get("settings", {})
     workloads = list(next(iter(kinds.values()))["workloads"])
+    columns = ("kind", "block", "l1_weight", "slot_weighting", "divergence", "window")
+    shown = [c for c in columns if len({str(s.get(c)) for s in settings.values()}) > 1]
     lines = [
         f"Accept length on held-out prompts, {res['num_prompts']} per workload, "
         f"{res['max_new_tokens']} new tokens, 95% intervals; draft MFLOP per verify step. "
         + _source_line(res, "bakeoff"),
-        "| drafter | " + " | ".join(workloads) + " | draft MFLOP / step |",
-        "|---" * (len(workloads) + 2) + "|",
+        "| drafter | " + " | ".join([*shown, *workloads]) + " | draft MFLOP / step |",
+        "|---" * (len(shown) + len(workloads) + 2) + "|",
     ]
     for name, k in kinds.items():
+        label = "n-gram" if name == "ngram" else name
+        setting = [str(settings.get(name, {}).get(c, "")).replace("None", "-") for c in shown]
         cells = [_cell(k["workloads"][w]["accept_length"], k["workloads"][w]["accept_length_ci"])
                  for w in workloads]  # fmt: skip
-        label = "n-gram" if name == "ngram" else name
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {k['flops_per_step'] / 1e6:.1f} |")
+        row = " | ".join([label, *setting, *cells, f"{k['flops_per_step'] / 1e6:.1f}"])
+        lines.append(f"| {row} |")
     pairs = [r for r in res.get("paired", []) if r["workload"] == "overall"]
     if pairs:
         said = [

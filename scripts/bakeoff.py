@@ -1,8 +1,9 @@
-"""The bake-off (`make bakeoff`): DSpark, DFlash and DFlash2 trained in ONE job from one
-feature stream of the tiny Inkling target (recipes/tiny_cpu_bakeoff.yaml: the same data,
-anchors, steps and seed for each; DFlash also with the default objective and with the LK
-loss, beside the recipes' D-PACE), then judged by real speculative decoding against the
-n-gram drafter, per workload, and per unit of draft compute.
+"""The bake-off (`make bakeoff`): DSpark, DFlash and DFlash2 at blocks 5, 8 and 16 trained
+in ONE job from one feature stream of the tiny Inkling target (recipes/tiny_cpu_bakeoff.yaml:
+the same data, anchors, steps, seed and objective for each; DFlash also with D-PACE and
+with the LK loss, one change each), then judged by real speculative decoding against the
+n-gram drafter, per workload, every pair on the same prompts (paired intervals), DFlash2
+also with its selector off, and per unit of draft compute.
 
 1. the tiny Inkling target (cached) and its answers to `make quality`'s prompt mix (cached
    under .cache/quality/, shared with it)
@@ -14,7 +15,8 @@ n-gram drafter, per workload, and per unit of draft compute.
 4. draft FLOPs per verify step, counted by torch's FLOP counter on each export
    (evaluation/compute.py) at the mean context length of the decoded prompts
 Writes <out>/summary.json (per kind and workload: accept_length, accept_length_ci; per
-kind: FLOPs per step and per drafted token, accept length per draft GFLOP), summary.png,
+kind: FLOPs per step and per drafted token, accept length per draft GFLOP; `settings`:
+what differs between rows; `paired`: every pair's paired difference), summary.png,
 and <out>/losses.md: where a kind's interval lies wholly below another's, the prompts it
 loses most on, both decoded texts side by side.
 """
@@ -49,6 +51,26 @@ TRAIN = (
 def kinds(recipe) -> dict[str, str]:
     """Drafter name -> its folder under the run: the recipe's own DSpark, its companions."""
     return {"dspark": "", **{c.name: f"companions/{c.name}" for c in recipe.companions}}
+
+
+def settings(recipe) -> dict[str, dict]:
+    """Per drafter, what may differ between the bake-off's rows (named columns)."""
+    from specforge_dspark.config.companions import companion_recipe
+
+    recipes = {"dspark": recipe}
+    recipes |= {c.name: companion_recipe(recipe, i) for i, c in enumerate(recipe.companions)}
+    out = {}
+    for name, r in recipes.items():
+        d, o = r.draft, r.objective
+        sliding = "sliding_attention" in (d.layer_types or [])
+        out[name] = {"kind": d.kind, "block": d.block_size, "l1_weight": o.l1_weight,
+                     "slot_weighting": o.slot_weighting, "divergence": o.divergence,
+                     "window": d.sliding_window if sliding else None}  # fmt: skip
+    if "dflash2" in out:
+        out["dflash2_no_selector"] = {**out["dflash2"], "kind": "dflash2 (selector off)"}
+    out["ngram"] = {"kind": "n-gram", "block": recipe.draft.block_size, "l1_weight": None,
+                    "slot_weighting": None, "divergence": None, "window": None}  # fmt: skip
+    return out
 
 
 def train(recipe, data: Path, steps: int, out: Path, nproc: int) -> dict:
@@ -204,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "losses": lost,
         "paired": pairs,
+        "settings": settings(recipe),
         "context_tokens_for_flops": ctx,
         "training": {k: v for k, v in trained.items() if k != "exports"},
         "recipe": RECIPE,
