@@ -69,3 +69,20 @@ def test_export_carries_the_sts_file_and_only_a_shifted_bias(calibrated_run, tmp
             assert torch.equal(got[k], want[k]), k
     shift = torch.tensor(report["bias_shift"], dtype=want[BIAS_KEY].dtype)
     assert torch.equal(got[BIAS_KEY], want[BIAS_KEY] + shift)
+
+
+def test_export_carries_its_speculation_profile(calibrated_run):
+    """The calibration's held-out decoding also writes the export's per-position profile
+    (decoding/profile.py), read back and checked against the calibration's own count."""
+    from specforge_dspark.decoding.profile import read_profile
+
+    report = json.loads((calibrated_run / "calibration" / "calibration.json").read_text())
+    profile = read_profile(calibrated_run / "export" / "sglang")
+    assert sorted(profile["workloads"]) == ["gsm8k", "math500"]
+    overall = profile["overall"]
+    assert overall["steps"] == report["eval_steps"] and profile["drafts_per_step"] == 5
+    marginal = overall["marginal_acceptance"]
+    assert all(a >= b for a, b in zip(marginal, marginal[1:], strict=False))  # a prefix
+    assert all(c is None or 0 <= c <= 1 for c in overall["conditional_acceptance"])
+    # committed = accepted + 1 except where an answer's end cut its last step short
+    assert 1 + sum(marginal) - 0.2 <= overall["accept_length"] <= 1 + sum(marginal) + 1e-9

@@ -223,3 +223,29 @@ def test_recipe_comments_point_at_pages_and_sections_that_exist():
                 broken.append(f"{recipe.name}: {path}#{anchor}")
         broken += [f"{recipe.name}: README {m}" for m in re.findall(r'README,? "[^"]+"', comments)]
     assert not broken, broken
+
+
+def current_marks(measured: Path) -> list[str]:
+    """Dated tables of docs/measured.md whose newest entry (the rows of the newest date and
+    of the commit of that date's last row) is not marked **current**, or whose other rows
+    are."""
+    bad = []
+    for start, table in _tables(measured.read_text()):
+        header = [c.lower() for c in _cells(table[0])]
+        if "date" not in header:
+            continue
+        col, ccol = header.index("date"), header.index("commit") if "commit" in header else None
+        rows = [_cells(r) for r in table[2:]]
+        dates = [(DATE.search(r[col]) or [""])[0] if len(r) > col else "" for r in rows]
+        newest = max(dates)
+        last = [i for i, d in enumerate(dates) if d == newest][-1]
+        for i, (row, date) in enumerate(zip(rows, dates, strict=True)):
+            same = i == last if ccol is None else row[ccol] == rows[last][ccol]
+            marked = "**current**" in row[col]
+            if marked != (date == newest and same):
+                bad.append(f"table at line {start + 1}: {date} {'' if marked else 'not '}marked")
+    return bad
+
+
+def test_the_newest_row_of_each_dated_table_is_marked_current():
+    assert current_marks(ROOT / "docs" / "measured.md") == []

@@ -42,6 +42,7 @@ from specforge_dspark.decoding.calibration_metrics import (
     calibration_summary,
     survival_calibration,
 )
+from specforge_dspark.decoding.profile import write_profile
 from specforge_dspark.decoding.prompts import answer_text, load_conversations, render
 from specforge_dspark.decoding.spec_decode import Step, speculative_generate
 from specforge_dspark.decoding.sts import (
@@ -182,8 +183,10 @@ def collect_steps(
     logits_fn: Callable,
     temperature: float = 0.0,
     seed: int = 0,
+    held_by_workload: dict[str, list[Step]] | None = None,
 ) -> tuple[list[Step], list[Step]]:
-    """Decode every conversation (all drafts verified); returns (fit steps, eval steps)."""
+    """Decode every conversation (all drafts verified); returns (fit steps, eval steps);
+    `held_by_workload` (when given) receives the eval steps per workload name."""
     gen = torch.Generator().manual_seed(seed)
     split: tuple[list[Step], list[Step]] = ([], [])
     for workload in workloads:
@@ -203,6 +206,8 @@ def collect_steps(
                     generator=gen,
                 )
                 split[conv.index % 2].extend(g.steps)
+                if held_by_workload is not None and conv.index % 2:
+                    held_by_workload.setdefault(workload.name, []).extend(g.steps)
                 answer = answer_text(target.tokenizer, g.tokens, target.eos_ids)
                 messages.append({"role": "assistant", "content": answer})
     return split
@@ -263,9 +268,11 @@ def calibrate_draft(
     target = SamplingTarget.load(target_path, list(drafter.config.target_layer_ids), device=device)
     check_pair(drafter, target)
     embed_fn, logits_fn = head_fns(load_frozen_head(target_path, device=device))
+    by_workload: dict[str, list[Step]] = {}
     fit, held = collect_steps(
-        target, drafter, parsed, num_prompts, max_new_tokens, embed_fn, logits_fn, temperature, seed
-    )
+        target, drafter, parsed, num_prompts, max_new_tokens, embed_fn, logits_fn, temperature,
+        seed, by_workload,
+    )  # fmt: skip
     z_fit, n_fit = _arrays(fit)
     z_eval, n_eval = _arrays(held)
     save_recorded(out / "sts_data.pt", z_fit, n_fit, z_eval, n_eval)
@@ -302,6 +309,9 @@ def calibrate_draft(
     }
     if export_dir is not None:
         report["export_sts_file"] = str(copy_into_export(sts_path, Path(export_dir)))
+        how = {"target": str(target_path), "prompts_per_workload": num_prompts // 2,
+               "max_new_tokens": max_new_tokens, "temperature": temperature}  # fmt: skip
+        report["export_profile"] = str(write_profile(Path(export_dir), by_workload, G, how))
         if shift:
             report["export_bias_shift_total"] = shift_confidence_bias(Path(export_dir), shift)
     (out / "calibration.json").write_text(json.dumps(report, indent=1))

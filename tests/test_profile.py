@@ -1,0 +1,32 @@
+"""The speculation profile's figures (decoding/profile.py) on hand-made verify steps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specforge_dspark.decoding.profile import PROFILE_FILE, profile_of, read_profile, write_profile
+from specforge_dspark.decoding.spec_decode import Step
+
+
+def _steps(accepted: list[int]) -> list[Step]:
+    return [Step(accepted=a, committed=a + 1, confidence=[]) for a in accepted]
+
+
+def test_the_profile_counts_positions_as_defined(tmp_path):
+    steps = _steps([0, 1, 3, 3, 2, 0, 3, 1])  # D = 3 drafts per step
+    p = profile_of(steps, 3)
+    assert p["steps"] == 8 and p["accept_length"] == pytest.approx(21 / 8)
+    assert p["marginal_acceptance"] == [6 / 8, 4 / 8, 3 / 8]  # accepted > 0, > 1, > 2
+    assert p["conditional_acceptance"] == [6 / 8, 4 / 6, 3 / 4]  # given the slots before
+    assert p["accept_length_histogram"] == [2, 2, 1, 3]  # committed 1, 2, 3, 4
+    assert profile_of(_steps([0, 0]), 2)["conditional_acceptance"] == [0.0, None]
+
+    path = write_profile(tmp_path, {"gsm8k": steps[:4], "mt_bench": steps[4:]}, 3, {"t": 0})
+    back = read_profile(tmp_path)
+    assert back["overall"] == json.loads(json.dumps(p)) and path.name == PROFILE_FILE
+    back["workloads"]["gsm8k"]["steps"] = 5
+    (tmp_path / PROFILE_FILE).write_text(json.dumps(back))
+    with pytest.raises(ValueError, match="gsm8k: the histogram does not count its 5 steps"):
+        read_profile(tmp_path)
