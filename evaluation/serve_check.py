@@ -43,6 +43,7 @@ from specforge_dspark.engines.inkling_layout import needs_radix_cache, sglang_la
 from specforge_dspark.engines.launch import cli_flag
 from specforge_dspark.engines.sglang import ServerProcess, cpu_engine_args
 from specforge_dspark.export.conventions import check_conventions
+from specforge_dspark.loop.serve import generate as loop_generate
 
 START_TIMEOUT_S = 600.0
 
@@ -94,19 +95,7 @@ def wait_healthy(server: ServerProcess, url: str, timeout_s: float = START_TIMEO
 
 def generate(url: str, ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> dict:
     """One greedy /generate request; returns output_ids and the spec counters."""
-    body = {
-        "input_ids": ids,
-        "sampling_params": {
-            "max_new_tokens": max_new_tokens,
-            "temperature": 0.0,
-            "stop_token_ids": sorted(stop_ids),
-        },
-    }
-    req = urllib.request.Request(
-        f"{url}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=600) as r:
-        out = json.loads(r.read())
+    out = loop_generate(url, ids, max_new_tokens, stop_ids)
     meta = out["meta_info"]
     return {
         "tokens": list(out["output_ids"]),

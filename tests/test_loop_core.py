@@ -115,3 +115,57 @@ def test_the_loop_section_is_checked_naming_the_key(tmp_path):
         load_recipe(REPO / "recipes" / "tiny_cpu.yaml", ["loop.replay_share=1.5"])
     with pytest.raises(RecipeError, match="loop.no_such"):
         load_recipe(REPO / "recipes" / "tiny_cpu.yaml", ["loop.no_such=1"])
+
+
+def test_served_requests_are_recorded_once_with_the_engines_own_figures(tiny_target_dir, tmp_path):
+    """record_traffic against an HTTP endpoint speaking SGLang's /generate (canned
+    answers): the request carries the chat-rendered ids and the API key, the record the
+    decoded answer and the engine's meta_info figures; a resumed round sends nothing twice."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from transformers import AutoTokenizer
+
+    from specforge_dspark.decoding.prompts import render
+    from specforge_dspark.loop.serve import record_traffic
+
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    answer = tok.encode("Forty-two clips.", add_special_tokens=False)
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append((self.path, self.headers.get("Authorization"), body))
+            out = {"output_ids": answer, "meta_info": {"completion_tokens": len(answer),
+                   "spec_verify_ct": 2, "spec_correct_drafts_histogram": [0, 1, 1]}}  # fmt: skip
+            data = json.dumps(out).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    requests = [(f"r{i}", [{"role": "user", "content": f"How many clips, {i}?"}], "gsm8k")
+                for i in range(3)]  # fmt: skip
+    journal = Journal(tmp_path / "records.jsonl")
+    try:
+        got = record_traffic(url, tok, {tok.eos_token_id}, requests, journal, "v0", 16, key="k")
+        again = record_traffic(url, tok, set(), requests, Journal(journal.path), "v0", 16)
+    finally:
+        server.shutdown()
+    assert got == {"recorded": 3, "already": 0} and again == {"recorded": 0, "already": 3}
+    assert len(seen) == 3  # the resumed round sent nothing
+    path, auth, body = seen[0]
+    assert path == "/generate" and auth == "Bearer k"
+    assert body["input_ids"] == render(tok, requests[0][1])
+    assert body["sampling_params"]["temperature"] == 0.0
+    rows = journal.rows()
+    assert rows[0]["messages"][-1] == {"role": "assistant", "content": "Forty-two clips."}
+    assert served_accept_length(rows[0]) == (len(answer) - 1) / 2
+    assert rows[2]["served"]["accepted_hist"] == [0, 1, 1] and rows[2]["workload"] == "gsm8k"
