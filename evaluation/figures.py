@@ -130,17 +130,20 @@ def render_bakeoff(res: dict) -> str:
     shown = [c for c in columns if len({str(s.get(c)) for s in settings.values()}) > 1]
     lines = [
         f"Accept length on held-out prompts, {res['num_prompts']} per workload, "
-        f"{res['max_new_tokens']} new tokens, 95% intervals; draft MFLOP per verify step. "
+        f"{res['max_new_tokens']} new tokens, 95% intervals; draft MFLOP and milliseconds "
+        "(this CPU) per served verify step, context keys and values cached. "
         + _source_line(res, "bakeoff"),
-        "| drafter | " + " | ".join([*shown, *workloads]) + " | draft MFLOP / step |",
-        "|---" * (len(shown) + len(workloads) + 2) + "|",
+        "| drafter | " + " | ".join([*shown, *workloads]) + " | MFLOP / step | ms / step |",
+        "|---" * (len(shown) + len(workloads) + 3) + "|",
     ]
     for name, k in kinds.items():
         label = "n-gram" if name == "ngram" else name
         setting = [str(settings.get(name, {}).get(c, "")).replace("None", "-") for c in shown]
         cells = [_cell(k["workloads"][w]["accept_length"], k["workloads"][w]["accept_length_ci"])
                  for w in workloads]  # fmt: skip
-        row = " | ".join([label, *setting, *cells, f"{k['flops_per_step'] / 1e6:.1f}"])
+        ms = k.get("draft_ms_per_step")
+        cost = [f"{k['flops_per_step'] / 1e6:.1f}", "-" if ms is None else f"{ms:.2f}"]
+        row = " | ".join([label, *setting, *cells, *cost])
         lines.append(f"| {row} |")
     pairs = [r for r in res.get("paired", []) if r["workload"] == "overall"]
     if pairs:

@@ -12,8 +12,9 @@ also with its selector off, and per unit of draft compute.
 3. every export and the n-gram drafter decode the demo's four held-out workloads
    (--num-prompts each, greedy, lossless), sharing the references; 95% bootstrap
    intervals over prompts
-4. draft FLOPs per verify step, counted by torch's FLOP counter on each export
-   (evaluation/compute.py) at the mean context length of the decoded prompts
+4. draft cost per served verify step (evaluation/compute.py: context keys and values
+   cached, attention counted by hand, the rest by torch's FLOP counter) and its time on
+   this CPU, at the mean context length of the decoded prompts
 Writes <out>/summary.json (per kind and workload: accept_length, accept_length_ci; per
 kind: FLOPs per step and per drafted token, accept length per draft GFLOP; `settings`:
 what differs between rows; `paired`: every pair's paired difference), summary.png,
@@ -201,14 +202,15 @@ def main(argv: list[str] | None = None) -> int:
         drafts, target, a.num_prompts, a.max_new_tokens, out
     )
 
-    demo.step("4/4 draft compute per verify step (torch's FLOP counter)")
+    demo.step("4/4 draft cost per served verify step (FLOPs and time on this CPU)")
     ctx = mean_context(out / "eval_dspark", target)
     compute = {}
     for kind, export in trained["exports"].items():
         al = results[kind]["overall"]["accept_length"]
         flops = step_flops(export, target, ctx, committed=al)
         compute[kind] = {**flops, "accept_length_per_gflop": al / (flops["flops_per_step"] / 1e9)}
-        print(f"{kind:<8} {flops['flops_per_step'] / 1e6:7.1f} MFLOP per step, "
+        print(f"{kind:<8} {flops['flops_per_step'] / 1e6:7.1f} MFLOP, "
+              f"{flops['draft_ms_per_step']:.2f} ms per served step, "
               f"{flops['flops_per_drafted_token'] / 1e6:5.2f} per drafted token, accept length "
               f"{al:.3f} = {compute[kind]['accept_length_per_gflop']:.1f} per GFLOP")  # fmt: skip
     lost = losses_report(results, workloads, out)

@@ -136,7 +136,7 @@ def test_the_bakeoff_pairs_drafters_on_the_same_prompts(tmp_path):
                        "command": "python scripts/bakeoff.py --nproc 2"},
     }  # fmt: skip
     text = figures.render_bakeoff(res)
-    assert "| n-gram | 2.000 [1.90, 2.10] | 0.0 |" in text
+    assert "| n-gram | 2.000 [1.90, 2.10] | 0.0 | - |" in text
     same = {"l1_weight": 0.9, "slot_weighting": "decay", "divergence": "l1", "window": None}
     res["settings"] = {
         "dspark": {"kind": "dspark", "block": 16, **same},
@@ -144,8 +144,8 @@ def test_the_bakeoff_pairs_drafters_on_the_same_prompts(tmp_path):
         "ngram": {"kind": "n-gram", "block": 16, **same, "l1_weight": None},
     }
     table = figures.render_bakeoff(res)  # only what differs between rows is a column
-    assert "| drafter | kind | block | l1_weight | gsm8k | draft MFLOP / step |" in table
-    assert "| dflash | dflash | 5 | 0.9 | 2.000 [1.90, 2.10] | 20.0 |" in table
+    assert "| drafter | kind | block | l1_weight | gsm8k | MFLOP / step | ms / step |" in table
+    assert "| dflash | dflash | 5 | 0.9 | 2.000 [1.90, 2.10] | 20.0 | - |" in table
     assert "| n-gram | n-gram | 16 | - |" in table and "slot_weighting" not in table
     assert "dspark - dflash +1.000" in text and "(dspark better)" in text
     assert "dflash - ngram" in text and "(dflash better)" not in text
