@@ -208,3 +208,54 @@ def test_the_selector_off_drafts_the_backbones_argmax_from_the_same_export(tmp_p
     plain.save_pretrained(tmp_path / "dflash", dtype=torch.float32)
     with pytest.raises(ValueError, match="not a DFlash2 export"):
         load_drafter(f"no-selector:{tmp_path / 'dflash'}", "cpu", torch.float32)
+
+
+def test_jointly_the_selector_trains_the_backbone_too():
+    """objective.selector_detach: false (the other references' choice): the selector's CE
+    reaches the backbone, whose gradients then differ from the DFlash loss's alone."""
+    draft, head = draft_and_head()
+    ids, mask, aux, last = batch(draft)
+    anchors, valid = torch.tensor([[3, 6, 8]]), torch.ones(1, 3, dtype=torch.bool)
+    grads = []
+    for extra, detach in ((None, True), (selector_term, False)):
+        obj = ObjectiveRecipe(num_anchors=3, bce_weight=0.0, chunk_size=2, selector_detach=detach)
+        draft.zero_grad()
+        out = compute_loss_at(draft, head, ids, mask, aux, last, anchors, valid, obj, extra=extra)
+        out.loss.backward()
+        grads.append({n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None})
+    plain, joint = grads
+    moved = [n for n, g in plain.items() if not torch.equal(g, joint[n])]
+    assert any(n.startswith("layers.") for n in moved), moved
+
+
+def test_under_dpace_the_selector_ce_is_weighted_by_each_slots_reach(monkeypatch):
+    """With objective.slot_weighting dpace the selector's per-slot CE carries the D-PACE
+    weights the vocab loss computed (the references weight it by reach), not the uniform
+    normaliser the decay weighting would give it."""
+    from specforge_dspark.objective import vocab_loss
+
+    fixed = {}
+
+    def reach(conf_XG, mask_XG, alpha):  # a known stand-in for D-PACE's weights
+        fixed["w"] = torch.linspace(2.0, 0.5, conf_XG.shape[-1]).expand_as(conf_XG) * mask_XG
+        return fixed["w"].to(conf_XG.dtype)
+
+    monkeypatch.setattr(vocab_loss, "dpace_weights", reach)
+    seen = []
+
+    def capture(draft, cands, h, prev, coef_XG, *rest, **kw):
+        seen.append(coef_XG.clone())
+        return selector_term(draft, cands, h, prev, coef_XG, *rest, **kw)
+
+    capture.top_k = selector_term.top_k
+    draft, head = draft_and_head()
+    ids, mask, aux, last = batch(draft)
+    anchors, valid = torch.tensor([[3, 6, 8]]), torch.ones(1, 3, dtype=torch.bool)
+    obj = ObjectiveRecipe(num_anchors=3, bce_weight=0.0, chunk_size=8, slot_weighting="dpace")
+    compute_loss_at(draft, head, ids, mask, aux, last, anchors, valid, obj, extra=capture)
+    coef = seen[0]
+    supervised = coef > 0
+    uniform = coef[supervised].max() / 2.0  # the normaliser, times the stand-in's 2.0 at slot 0
+    want = fixed["w"].view_as(coef).to(coef.dtype) * uniform
+    torch.testing.assert_close(coef, want)
+    assert coef[supervised].unique().numel() > 1  # not the uniform normaliser

@@ -147,6 +147,9 @@ class ObjectiveRecipe:
     """on: checkpoint each decoder chunk; off: keep them all; auto: by training/memory.py."""
     selector_weight: float = 1.0
     """dflash2: weight of the selector's K-way cross-entropy (objective/selector_loss.py)."""
+    selector_detach: bool = True
+    """dflash2: the selector reads the backbone's hidden detached (the engine's top-K
+    implies it; the default), or, False, trains jointly: its loss reaches the backbone."""
     slot_weighting: Literal["decay", "dpace"] = "decay"
     """decay: exp(-k / gamma); dpace: D-PACE's weights from the drafter's own per-slot
     confidences, the gradient of the expected accept length (objective/acceptance.py)."""

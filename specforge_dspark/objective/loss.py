@@ -43,7 +43,7 @@ from specforge_dspark.objective.blocks import (
 )
 from specforge_dspark.objective.frozen_head import FrozenHead
 from specforge_dspark.objective.metrics import LossOutput, pooled_metrics
-from specforge_dspark.objective.vocab_loss import BlockDrafter, FusedVocabLoss, VocabPlan
+from specforge_dspark.objective.vocab_loss import STATS, BlockDrafter, FusedVocabLoss, VocabPlan
 
 log = logging.getLogger(__name__)
 
@@ -198,16 +198,19 @@ def compute_loss_at(
     stats_8BNG = stats_8XG.view(-1, B, N, G)
     metrics = pooled_metrics(stats_8BNG, bl, obj, weight_sum, skipped, pooled, group)
     if extra is not None:
+        # under D-PACE a slot's coefficient is its reach, which the vocab loss computed
+        coef_XG = stats_8XG[STATS.index("coef")] if obj.slot_weighting == "dpace" else plan.coef_XG
         term, more = extra(
             draft,
             plan.candidates,
             h_BNGH.reshape(X, G, -1),
             plan.prev_XG,
-            plan.coef_XG,
+            coef_XG,
             bl.weight_BNG.reshape(X, G),
             bl.eval_mask_BNG.reshape(X, G),
             obj.selector_weight,
             group if pooled else None,
+            obj.selector_detach,
         )
         loss, metrics = loss + term, {**metrics, **more}
     return LossOutput(loss=loss, metrics=metrics)

@@ -15,8 +15,10 @@ What the serving engine implies (drafters/dflash2.py has the engine's lines):
   loss only (`candidate_recall` reports how often it was there).
 The candidates and the gold come from the vocab loss's own chunks (vocab_loss.Candidates):
 no second pass over the vocabulary. Normalised as the vocab loss is: `coef_XG` (block
-position weights over the pooled weight sum) makes the ranks' summed gradient that of the
-pooled weighted mean.
+position weights over the pooled weight sum; under objective.slot_weighting dpace the
+D-PACE weights, i.e. each slot's reach, as the vocab loss computed them) makes the ranks'
+summed gradient that of the pooled weighted mean. `objective.selector_detach: false`
+trains the selector jointly with the backbone (the alternative some references take).
 
 Shapes: X blocks, G drafted slots, K candidates, H hidden, V vocab rows.
 """
@@ -52,10 +54,13 @@ def selector_loss(
     h_XGH: Tensor,
     prev_XG: Tensor,
     coef_XG: Tensor,
+    detach: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(sum of coef * CE, the per-slot CE [X, G], whether the selector's teacher-forced
-    choice is the gold [X, G]); `selector` is a `dflash2.CandidateSelector`."""
-    scores_XGK = selector.scores(prev_XG[..., None], cand_XGK, unary_XGK, h_XGH.detach())[:, :, 0]
+    choice is the gold [X, G]); `selector` is a `dflash2.CandidateSelector`. `detach`:
+    the backbone's hidden enters without gradient (the default), else the CE trains it."""
+    h_XGH = h_XGH.detach() if detach else h_XGH
+    scores_XGK = selector.scores(prev_XG[..., None], cand_XGK, unary_XGK, h_XGH)[:, :, 0]
     ce_XG = F.cross_entropy(scores_XGK.flatten(0, 1), index_XG.flatten(), reduction="none").view_as(
         index_XG
     )
@@ -81,13 +86,14 @@ class SelectorTerm:
         mask_XG: Tensor,
         weight: float,
         group: dist.ProcessGroup | None = None,
+        detach: bool = True,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """`weight` x the selector loss of the drafting rows (hidden `h_XGH`), and its
         metrics pooled over `group` (selector_loss, selector_acc, candidate_recall over the
         supervised slots `mask_XG`)."""
         cand, unary, index, found = inject_gold(cands)
         total, ce, right = selector_loss(
-            draft.candidate_selector, unary, cand, index, h_XGH, prev_XG, coef_XG
+            draft.candidate_selector, unary, cand, index, h_XGH, prev_XG, coef_XG, detach
         )
         m = mask_XG
         sums = torch.stack(
