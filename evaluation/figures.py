@@ -126,7 +126,7 @@ def render_bakeoff(res: dict) -> str:
     difference between rows a named column) and accept length per workload."""
     kinds, settings = res["kinds"], res.get("settings", {})
     workloads = list(next(iter(kinds.values()))["workloads"])
-    columns = ("kind", "block", "l1_weight", "slot_weighting", "divergence", "window")
+    columns = ("kind", "block", "l1_weight", "slot_weighting", "divergence", "window", "selector")
     shown = [c for c in columns if len({str(s.get(c)) for s in settings.values()}) > 1]
     lines = [
         f"Accept length on held-out prompts, {res['num_prompts']} per workload, "

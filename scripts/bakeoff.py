@@ -66,11 +66,14 @@ def settings(recipe) -> dict[str, dict]:
         sliding = "sliding_attention" in (d.layer_types or [])
         out[name] = {"kind": d.kind, "block": d.block_size, "l1_weight": o.l1_weight,
                      "slot_weighting": o.slot_weighting, "divergence": o.divergence,
-                     "window": d.sliding_window if sliding else None}  # fmt: skip
+                     "window": d.sliding_window if sliding else None,
+                     "selector": None if d.kind != "dflash2" else
+                     ("detached" if o.selector_detach else "joint")}  # fmt: skip
     if "dflash2" in out:
-        out["dflash2_no_selector"] = {**out["dflash2"], "kind": "dflash2 (selector off)"}
+        out["dflash2_no_selector"] = {**out["dflash2"], "selector": "off"}
     out["ngram"] = {"kind": "n-gram", "block": recipe.draft.block_size, "l1_weight": None,
-                    "slot_weighting": None, "divergence": None, "window": None}  # fmt: skip
+                    "slot_weighting": None, "divergence": None, "window": None,
+                    "selector": None}  # fmt: skip
     return out
 
 
