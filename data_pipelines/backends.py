@@ -263,11 +263,12 @@ class HFBackend:
 
     def __init__(self, target_path: str, rc, device: str = "cpu") -> None:
         import torch
-        from transformers import AutoModelForCausalLM
+
+        from specforge_dspark.engines.quant_targets import load_causal_lm
 
         self.torch = torch
         self.rc = rc
-        self.model = AutoModelForCausalLM.from_pretrained(target_path, local_files_only=True)
+        self.model = load_causal_lm(target_path, local_files_only=True)
         self.model.to(device).eval()
         self.device = device
         eos = self.model.generation_config.eos_token_id

@@ -30,10 +30,12 @@ def greedy_references(
     from one-by-one decoding; run_workload decodes a prompt one by one again whenever its
     speculative output differs from the cached one, so the lossless check always rests
     on one-by-one greedy decoding. Entries carry no time (speedup is then not reported)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from specforge_dspark.engines.quant_targets import load_causal_lm
 
     tok = AutoTokenizer.from_pretrained(target_path)
-    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    model = load_causal_lm(target_path, dtype=torch.float32).eval()
     eos = eos_token_ids(model, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else sorted(eos)[0]
     data = Path(data_dir) if data_dir is not None else None

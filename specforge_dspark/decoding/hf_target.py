@@ -68,13 +68,12 @@ class HFTarget:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> HFTarget:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(path)
-        from specforge_dspark.engines.quant_targets import apply_emulation
+        from specforge_dspark.engines.quant_targets import load_causal_lm
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-        apply_emulation(model, path)  # a quantized copy: its activations as served
+        model = load_causal_lm(path, dtype=dtype).to(device)  # a quantized copy as served
         return cls(model, tok, layer_ids, cache_mode)
 
     @torch.inference_mode()

@@ -56,12 +56,9 @@ class HFTarget:
     """
 
     def __init__(self, path: str, dtype: str, device: str, layer_ids: list[int], chunk: int):
-        from transformers import AutoModelForCausalLM
+        from specforge_dspark.engines.quant_targets import load_causal_lm
 
-        from specforge_dspark.engines.quant_targets import apply_emulation
-
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
-        apply_emulation(model, path)  # a quantized copy: its activations as served
+        model = load_causal_lm(path, dtype=DTYPES[dtype])  # a quantized copy as served
         self.model = model.to(device).eval().requires_grad_(False)
         self.decoder = model.base_model  # the model without its LM head
         self.device = torch.device(device)

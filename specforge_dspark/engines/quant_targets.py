@@ -4,8 +4,9 @@
 `write_quantized_copy` rounds the weights of the decoder's linear layers through the format
 (the embedding, the LM head, norms and any weight whose input dimension is not whole NVFP4
 blocks stay as they are, as Model Optimizer leaves them) and names the format in
-config.json (`quantization_emulation`). `apply_emulation`, called wherever our code loads
-a target with transformers (engines/hf.py, decoding/hf_target.py), puts those layers'
+config.json (`quantization_emulation`). `apply_emulation`, applied by `load_causal_lm`
+wherever our code loads a target with transformers (the hf backend, the evaluation
+harness, its batched references, regeneration), puts those layers'
 inputs through the format too, as the served W4A4 / W8A8 kernels quantize activations:
 dynamic scales per token row (NVFP4: a per-row global scale where the engine uses a
 calibrated static one; the block scales are dynamic in both).
@@ -85,3 +86,14 @@ def apply_emulation(model: torch.nn.Module, path: str | Path) -> list[str]:
             )
             hooked.append(name)
     return hooked
+
+
+def load_causal_lm(path: str | Path, **kwargs) -> torch.nn.Module:
+    """`AutoModelForCausalLM.from_pretrained(path, **kwargs)`, with a quantized copy's
+    activations put through its format (`apply_emulation`): every target our code loads
+    with transformers comes through here."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    apply_emulation(model, path)
+    return model
