@@ -26,6 +26,7 @@ COMMANDS = {
     "evaluation.calibrate": "main",
     "evaluation.serve_check": "main",
     "evaluation.figures": "main",
+    "evaluation.drift": "main",
     **{
         f"{BENCH}.{name}": "bench_main"
         for name in ("objective", "step", "stream", "pack", "capture", "drafters", "transport")
