@@ -37,7 +37,7 @@ export VLLM_NO_USAGE_STATS := 1
 export PYTHONUNBUFFERED := 1
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup deepspeed-ops mooncake-libs vllm-venv sglang-venv demo quality bakeoff test test-quick lint format bench tiny-target tiny-targets clean clean-runs
+.PHONY: setup deepspeed-ops mooncake-libs vllm-venv sglang-venv demo quality bakeoff drift test test-quick lint format bench tiny-target tiny-targets clean clean-runs
 
 setup: $(STAMP)
 
@@ -127,6 +127,12 @@ quality: setup tiny-target
 # summary.png, losses.md); shares make quality's cached on-policy data (.cache/quality).
 bakeoff: setup tiny-target
 	$(PY) scripts/bakeoff.py --nproc $(NPROC)
+
+# Drift on a quantized target: the tiny target's NVFP4 copy against the original, and the
+# demo's drafter against one trained online from the copy, both decoded on the copy
+# (runs/drift/summary.json); needs `make demo`'s run. About 10 minutes.
+drift: setup tiny-target
+	$(PY) scripts/drift.py --nproc $(NPROC)
 
 # The whole suite (live CPU SGLang and vLLM servers, each in its own venv, and fault drills
 # included); the slowest 40 tests are printed so that the suite's cost stays visible. The

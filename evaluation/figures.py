@@ -33,6 +33,7 @@ PUBLISHED = {
     "demo": ("runs/demo", "summary.png", "docs/demo_summary.png"),
     "bakeoff": ("runs/bakeoff", "summary.png", "docs/bakeoff_summary.png"),
     "quality": ("runs/quality", "learning_curve.png", "docs/quality_learning_curve.png"),
+    "drift": ("runs/drift", "", ""),
 }
 BLOCK = re.compile(r"(<!-- figures:(\w+) -->\n)(.*?)(<!-- /figures:\2 -->)", re.S)
 DEMO_NAMES = {
@@ -176,7 +177,35 @@ def render_quality(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_drift(res: dict) -> str:
+    """The quantized target's drift and the two drafters on it, from runs/drift/summary.json."""
+    q = res["quant"]
+    lines = [
+        f"The tiny target against its {q} copy (top-1 agreement, KL per token on the original's "
+        "answers), and accept length on the copy of drafter (a), trained from the original, "
+        f"and (b), trained online from the copy (same data, steps, seed); {res['num_prompts']} "
+        "prompts per workload, 95% intervals, (b) - (a) paired on the same prompts. "
+        + _source_line(res, "drift"),
+        f"| workload | top-1 agreement | KL (nats/token) | (a) on {q} | (b) on {q} | (b) - (a) "
+        "| (a) on the original |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    a, b, full = res["on_quant"]["a"], res["on_quant"]["b"], res["a_on_full"]
+    for w, t in res["targets"].items():
+        d = res["b_minus_a_on_quant"][w]
+        cells = [f"{t['top1_agreement']:.4f}", f"{t['kl_a_b']:.5f}"]
+        cells += [_cell(x["workloads"][w]["accept_length"], x["workloads"][w]["accept_length_ci"])
+                  for x in (a, b)]  # fmt: skip
+        cells.append(f"{d['difference']:+.3f} [{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}]")
+        cells.append(
+            _cell(full["workloads"][w]["accept_length"], full["workloads"][w]["accept_length_ci"])
+        )
+        lines.append(f"| {w} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 RENDER = {"demo": render_demo, "bakeoff": render_bakeoff, "quality": render_quality}
+RENDER["drift"] = render_drift
 
 
 def load_results(name: str, results: Path = RESULTS) -> dict:
@@ -199,7 +228,7 @@ def render(text: str, results: Path = RESULTS) -> str:
         if (results / f"{name}.json").is_file():
             body = RENDER[name](load_results(name, results))
             picture = PUBLISHED[name][2]
-            if (REPO / picture).is_file():
+            if picture and (REPO / picture).is_file():
                 body += f"\n![{name}: accept length per workload, 95% intervals]({picture})\n"
         else:
             body = (f"Not published yet: run `make {name}`, then "
@@ -222,7 +251,7 @@ def publish(name: str, run_dir: Path | None = None) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"{name}.json"
     out.write_text(json.dumps(res, indent=1) + "\n")
-    if (run / picture).is_file():
+    if picture and (run / picture).is_file():
         shutil.copyfile(run / picture, REPO / published_picture)
     README.write_text(render(README.read_text()))
     return out
