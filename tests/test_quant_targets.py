@@ -41,8 +41,11 @@ def test_a_quantized_copy_rounds_the_linear_weights_and_its_activations(
     name = spec["weights"][0].removesuffix(".weight")
     linear = modules.get(name) or modules[name.removeprefix("model.")]
     x = torch.randn(3, linear.in_features)
-    want = torch.nn.functional.linear(ROUND_TRIP[fmt](x), linear.weight, linear.bias)
-    assert torch.equal(linear(x), want)  # the input went through the format
+    rows = torch.cat([ROUND_TRIP[fmt](r[None], per_row=True) for r in x])  # one row at a time
+    want = torch.nn.functional.linear(rows, linear.weight, linear.bias)
+    assert torch.equal(linear(x), want)  # the input went through the format, row by row
+    alone = ROUND_TRIP[fmt](x[1:2], per_row=True)  # a row's quantization ignores its batch
+    assert torch.equal(alone[0], ROUND_TRIP[fmt](x, per_row=True)[1])
 
     plain = HFTarget.load(tiny_target_dir, [0, 1, 2])
     ids = torch.tensor([plain.tokenizer.encode("Natalia sold clips to 48 of her friends")])

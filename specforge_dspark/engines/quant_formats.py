@@ -44,18 +44,21 @@ def to_e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
 
 
-def nvfp4_quantize(x_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def nvfp4_quantize(
+    x_NK: torch.Tensor, per_row: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q [N, K] on the E2M1 grid, block scales [N, K/16] on the E4M3 grid, the global
-    FP32 scale) of `x_NK`; K must be a multiple of 16."""
+    FP32 scale: one, or with `per_row` one per row [N, 1]) of `x_NK`; K a multiple of 16."""
     if x_NK.shape[-1] % NVFP4_BLOCK:
         raise ValueError(f"nvfp4: the last dimension {x_NK.shape[-1]} is not a multiple of 16")
     x = x_NK.float()
     blocks = x.reshape(*x.shape[:-1], -1, NVFP4_BLOCK)
-    global_scale = x.abs().amax() / (E2M1_MAX * E4M3_MAX)
-    if global_scale == 0:
-        zeros = torch.zeros(blocks.shape[:-1])
-        return torch.zeros_like(x), zeros, global_scale
-    block = to_e4m3(blocks.abs().amax(-1) / (E2M1_MAX * global_scale))
+    amax = x.abs().amax(-1, keepdim=True) if per_row else x.abs().amax()
+    global_scale = amax / (E2M1_MAX * E4M3_MAX)
+    safe = torch.where(global_scale > 0, global_scale, torch.ones_like(global_scale))
+    block = torch.where(
+        global_scale > 0, to_e4m3(blocks.abs().amax(-1) / (E2M1_MAX * safe)), 0.0
+    )  # a zero tensor (or row) has scale 0 and stays zeros
     denom = (block * global_scale)[..., None]
     q = torch.where(denom > 0, round_e2m1(blocks / denom.clamp_min(1e-45)), 0.0)
     return q.reshape(x.shape), block, global_scale
@@ -66,9 +69,11 @@ def nvfp4_dequantize(q: torch.Tensor, block: torch.Tensor, global_scale: torch.T
     return (blocks * (block * global_scale)[..., None]).reshape(q.shape)
 
 
-def nvfp4_round_trip(x: torch.Tensor) -> torch.Tensor:
-    """What the served NVFP4 kernels compute with in place of `x` (float32, same shape)."""
-    return nvfp4_dequantize(*nvfp4_quantize(x))
+def nvfp4_round_trip(x: torch.Tensor, per_row: bool = False) -> torch.Tensor:
+    """What the served NVFP4 kernels compute with in place of `x` (float32, same shape);
+    `per_row`: each row its own global scale (activations: a row's result then does not
+    depend on which other rows share its batch)."""
+    return nvfp4_dequantize(*nvfp4_quantize(x, per_row))
 
 
 def fp8_round_trip(x: torch.Tensor, per_row: bool = True) -> torch.Tensor:

@@ -27,9 +27,11 @@ FORMATS = ("nvfp4", "fp8")
 _KEEP = ("embed", "lm_head", "norm", "unembed")  # names of weights never quantized
 
 
-def _round_trip(fmt: str, x: torch.Tensor) -> torch.Tensor:
+def _round_trip(fmt: str, x: torch.Tensor, per_row: bool = False) -> torch.Tensor:
+    """Weights: one NVFP4 global scale per tensor; activations (`per_row`): one per token
+    row. FP8: a scale per row for both."""
     if fmt == "nvfp4":
-        return nvfp4_round_trip(x)
+        return nvfp4_round_trip(x, per_row)
     return fp8_round_trip(x, per_row=True)
 
 
@@ -82,7 +84,7 @@ def apply_emulation(model: torch.nn.Module, path: str | Path) -> list[str]:
         module = modules.get(name) or modules.get(name.removeprefix("model."))
         if isinstance(module, torch.nn.Linear):
             module.register_forward_pre_hook(
-                lambda _m, args, fmt=fmt: (_round_trip(fmt, args[0]).to(args[0].dtype),)
+                lambda _m, args, fmt=fmt: (_round_trip(fmt, args[0], True).to(args[0].dtype),)
             )
             hooked.append(name)
     return hooked
