@@ -61,18 +61,14 @@ def drafter_drift(draft: str, a: str, b: str, workloads: list[str], num_prompts:
                   max_new_tokens: int, out_dir: Path) -> dict:  # fmt: skip
     """Accept length of `draft` against each target, and B - A paired on the same prompts."""
     from evaluation.acceptance import evaluate
+    from evaluation.metrics import prompt_units
 
     units, summary = {}, {}
     for name, target in (("a", a), ("b", b)):
         res = evaluate(target, draft, workloads, num_prompts, max_new_tokens, out_dir / name)
         summary[name] = {w: {k: v[k] for k in ("accept_length", "accept_length_ci", "lossless")}
                          for w, v in res["workloads"].items()}  # fmt: skip
-        u: dict = {}
-        for line in (out_dir / name / "generations.jsonl").open():
-            g = json.loads(line)
-            c, n = u.get((g["workload"], g["index"]), (0, 0))
-            u[(g["workload"], g["index"])] = (c + g["committed"], n + g["verify_steps"])
-        units[name] = u
+        units[name] = prompt_units(out_dir / name)
     summary["b_minus_a"] = paired_difference(units["b"], units["a"])
     return summary
 

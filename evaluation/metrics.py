@@ -69,6 +69,21 @@ def step_stats(steps: list[Step], G: int, logical_vocab: int | None = None) -> d
     }
 
 
+def prompt_units(eval_dir) -> dict:
+    """(workload, prompt index) -> (committed tokens, verify steps) of an evaluation's
+    generations.jsonl, an MT-Bench conversation's turns summed: the units a paired
+    comparison of two drafters on the same prompts resamples."""
+    import json
+    from pathlib import Path
+
+    units: dict = {}
+    for line in (Path(eval_dir) / "generations.jsonl").open():
+        g = json.loads(line)
+        c, n = units.get((g["workload"], g["index"]), (0, 0))
+        units[(g["workload"], g["index"])] = (c + g["committed"], n + g["verify_steps"])
+    return units
+
+
 def accept_length_ci(gens: list[Generation], units: list) -> list[float] | None:
     """95% bootstrap interval of the pooled accept length, resampling conversations
     (`units[i]` names generation i's; an MT-Bench conversation's two turns stay together)."""

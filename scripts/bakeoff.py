@@ -140,16 +140,10 @@ def paired(names: list[str], workloads: list[str], out: Path) -> list[dict]:
     """Every pair of drafters, per workload and overall: a's accept length minus b's on the
     same prompts with its paired 95% interval (evaluation.metrics.paired_difference);
     "better" only where the interval excludes 0."""
+    from evaluation.metrics import prompt_units
     from specforge_dspark.decoding.intervals import paired_difference
 
-    units = {}
-    for name in names:  # (workload, prompt) -> (committed, verify steps), turns summed
-        u: dict = {}
-        for line in (out / f"eval_{name}" / "generations.jsonl").open():
-            g = json.loads(line)
-            c, n = u.get((g["workload"], g["index"]), (0, 0))
-            u[(g["workload"], g["index"])] = (c + g["committed"], n + g["verify_steps"])
-        units[name] = u
+    units = {name: prompt_units(out / f"eval_{name}") for name in names}
     rows = []
     for i, a in enumerate(names):
         for b in names[i + 1 :]:

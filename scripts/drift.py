@@ -30,16 +30,6 @@ sys.path.insert(0, str(REPO / "scripts"))
 import demo  # noqa: E402  (scripts/demo.py: the run it reuses, evaluation split, tables)
 
 
-def units(eval_dir: Path) -> dict:
-    """(workload, prompt) -> (committed, verify steps) of a pooled evaluation."""
-    u: dict = {}
-    for line in (eval_dir / "generations.jsonl").open():
-        g = json.loads(line)
-        c, n = u.get((g["workload"], g["index"]), (0, 0))
-        u[(g["workload"], g["index"])] = (c + g["committed"], n + g["verify_steps"])
-    return u
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -55,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     from evaluation.drift import target_drift
     from evaluation.figures import provenance
+    from evaluation.metrics import prompt_units
     from specforge_dspark.decoding.intervals import paired_difference
     from specforge_dspark.engines.quant_targets import write_quantized_copy
 
@@ -94,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                                 a.max_new_tokens, out / "on_quant")  # fmt: skip
     on_full, _, _ = demo.judge({"a": trained_a}, target, a.num_prompts, a.max_new_tokens,
                                out / "on_full")  # fmt: skip
-    ua, ub = (units(out / "on_quant" / f"eval_{k}") for k in ("a", "b"))
+    ua, ub = (prompt_units(out / "on_quant" / f"eval_{k}") for k in ("a", "b"))
     paired = {"overall": paired_difference(ub, ua)}
     for w in workloads:
         keys = [k for k in ua if k[0] == w]
