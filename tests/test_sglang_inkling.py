@@ -78,7 +78,12 @@ def test_the_sglang_layout_holds_every_weight_once(tiny_target_dir):
 def test_live_inkling_at_tp2_features_equal_the_hf_backend(inkling_server, tiny_target_dir):
     batches = _batches([[37, 5], [61, 32], [20, 9, 14]])  # short: ~15 prefill tokens/s here
     live = _collect(_live_recipe(tiny_target_dir, inkling_server.url), batches)
-    assert "TP1]" in inkling_server.log_path.read_text(), "the server did not run two TP ranks"
+    log = inkling_server.log_path.read_text()
+    assert "TP1]" in log, "the server did not run two TP ranks"
+    # Pools sized by CPU_ENGINE_ARGS on every run, not by the host's free memory (which
+    # another process can take between SGLang's two readings of it).
+    assert re.findall(r"max_mamba_cache_size: (\d+)", log) == ["256", "256"], log[-3000:]
+    assert "max_total_num_tokens=8192," in log
     ref = _collect(_hf_recipe(tiny_target_dir), batches)
     diff = _max_diff(live, ref)
     peak = max(aux.abs().max().item() for _, aux, _ in ref)

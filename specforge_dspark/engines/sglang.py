@@ -63,12 +63,18 @@ CPU_ENGINE_ARGS: dict[str, Any] = {
     "disable_cuda_graph": True,
     "tp_size": 1,
     "max_total_tokens": 8192,
-    "mem_fraction_static": 0.05,
+    "max_mamba_cache_size": 256,
+    "mem_fraction_static": 0.5,
     "skip_server_warmup": True,
     "sleep_on_idle": True,
 }
 """Defaults for a CPU-engine server (`target.device: cpu`); `target.sglang.server_args`
-overrides any of them."""
+overrides any of them. On a CPU SGLang sizes its pools from the host's free memory twice,
+before and after loading weights (kv_cache_configurator `_profile_available_bytes`), and
+keeps `mem_fraction_static` of the first as room for the difference: at 0.05 another process
+taking 1 GB in between left no room ("Not enough GPU memory for hybrid ... state cache").
+Half of it, with the KV pool capped by `max_total_tokens` and the Mamba pool fixed by
+`max_mamba_cache_size` (ignored by models without one), sizes both the same on every run."""
 CPU_SHIMS = Path(__file__).resolve().parent / "cpu" / "shims"
 KEYED_LAUNCH = "specforge_dspark.engines.keyed_launch"
 
