@@ -37,7 +37,7 @@ export VLLM_NO_USAGE_STATS := 1
 export PYTHONUNBUFFERED := 1
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup deepspeed-ops mooncake-libs vllm-venv sglang-venv demo quality bakeoff drift test test-quick lint format bench tiny-target tiny-targets clean clean-runs
+.PHONY: setup deepspeed-ops mooncake-libs vllm-venv sglang-venv demo quality bakeoff loop drift test test-quick lint format bench tiny-target tiny-targets clean clean-runs
 
 setup: $(STAMP)
 
@@ -127,6 +127,12 @@ quality: setup tiny-target
 # summary.png, losses.md); shares make quality's cached on-policy data (.cache/quality).
 bakeoff: setup tiny-target
 	$(PY) scripts/bakeoff.py --nproc $(NPROC)
+
+# The closed loop on shifted traffic: a base drafter for the tiny Qwen3 target, rounds of
+# serve-record-mine-train-gate-swap with SGLang as the judge, and a control trained as many
+# steps on the original mix (runs/loop/summary.json); publish with figures publish loop.
+loop: setup tiny-targets sglang-venv
+	$(PY) scripts/loop.py --nproc $(NPROC)
 
 # Drift on a quantized target: the tiny target's NVFP4 copy against the original, and the
 # demo's drafter against one trained online from the copy, both decoded on the copy

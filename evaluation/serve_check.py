@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -39,58 +37,12 @@ from specforge_dspark.decoding.loading import DTYPES, check_pair, head_fns, load
 from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
 from specforge_dspark.decoding.spec_decode import Generation, speculative_generate
 from specforge_dspark.drafters.registry import KINDS, kind_of_dir
-from specforge_dspark.engines.inkling_layout import needs_radix_cache, sglang_layout
-from specforge_dspark.engines.launch import cli_flag
-from specforge_dspark.engines.sglang import ServerProcess, cpu_engine_args
+from specforge_dspark.engines.sglang import ServerProcess
+from specforge_dspark.engines.spec_server import spec_server_args, wait_healthy
 from specforge_dspark.export.conventions import check_conventions
 from specforge_dspark.loop.serve import generate as loop_generate
 
-START_TIMEOUT_S = 600.0
-
-
 STS_LOADED = "DSpark STS calibration loaded from"  # SGLang's log line (dspark_planner.py)
-
-
-def server_args(
-    target: str,
-    draft: str,
-    port: int,
-    dtype: str,
-    device: str,
-    sts: Path | None = None,
-    tp_size: int = 1,
-) -> list[str]:
-    """`sglang.launch_server` arguments that serve `draft` for `target` greedily (with the
-    confidence calibration `sts` when given) at tensor-parallel size `tp_size`."""
-    served = sglang_layout(target, log=lambda *a: None)  # a transformers Inkling: converted
-    args = ["--model-path", str(served), "--port", str(port), "--host", "127.0.0.1"]
-    algorithm = KINDS[kind_of_dir(draft)].algorithm
-    args += ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", str(draft)]
-    if sts is not None:
-        args += ["--speculative-dspark-confidence-sts-path", str(sts)]
-    args += ["--dtype", dtype, "--disable-overlap-schedule"]
-    if not needs_radix_cache(served):  # SGLang's Inkling asserts it on
-        args += ["--disable-radix-cache"]
-    engine = cpu_engine_args(served) if device == "cpu" else {}
-    for key, value in {**engine, "tp_size": tp_size}.items():
-        args += cli_flag(key, value)
-    return args
-
-
-def wait_healthy(server: ServerProcess, url: str, timeout_s: float = START_TIMEOUT_S) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        code = server.exit_code()
-        if code is not None:
-            raise RuntimeError(f"SGLang server exited ({code}); log tail:\n{server.tail(40)}")
-        try:
-            with urllib.request.urlopen(f"{url}/health_generate", timeout=5) as r:
-                if r.status == 200:
-                    return time.monotonic() - t0
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"SGLang server at {url} not healthy within {timeout_s:g}s")
 
 
 def generate(url: str, ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> dict:
@@ -192,7 +144,7 @@ def serve_check(
     sts = sts if sts.is_file() else None
     server = ServerProcess(
         sglang_python,
-        server_args(str(target), str(draft), port, dtype, device, sts, tp_size),
+        spec_server_args(str(target), str(draft), port, dtype, device, sts, tp_size),
         out / "sglang_server.log",
         cpu_engine=device == "cpu",
         key="--sglang-python",

@@ -14,6 +14,7 @@ BENCH = "specforge_dspark.cli.bench"
 # module -> the function that parses its command line
 COMMANDS = {
     "specforge_dspark.cli.export": "main",
+    "specforge_dspark.cli.loop": "main",
     "specforge_dspark.cli.preflight": "main",
     "specforge_dspark.cli.init_recipe": "main",
     "specforge_dspark.cli.capture": "main",

@@ -296,6 +296,23 @@ class LoopRecipe:
     """Share of recorded requests kept for the gate (chosen by id, never trained on)."""
     forget_margin: float = 0.1
     """A candidate is not promoted when any workload's accept length drops by more."""
+    serve_from: str = ""
+    """The exported drafter serving at round 0 (default: draft.init_from)."""
+    traffic: list[str] = field(default_factory=list)
+    """Workloads replayed through the serving engine as the users' traffic (`gsm8k` or
+    `name=path:field`, as evaluation's --workloads), split evenly; each round sends the
+    next requests of each."""
+    requests_per_round: int = 48
+    """Requests the engine serves (and the loop records) per round."""
+    max_new_tokens: int = 96
+    """Answer budget of a served request."""
+    steps_per_round: int = 100
+    """Training steps of a round, from the serving drafter's weights."""
+    guard_workloads: list[str] = field(default_factory=list)
+    """Workloads the drafter was trained for: the gate decodes `guard_prompts` of each with
+    both drafters, and none may lose more than forget_margin."""
+    guard_prompts: int = 8
+    """Prompts per guard workload at the gate."""
 
 
 @dataclass

@@ -62,12 +62,13 @@ class Lineage:
             json.loads(self.path.read_text()) if self.path.is_file() else []
         )
 
-    def add(self, export: str, parent: int | None, decision: Decision | None) -> int:
+    def add(self, export: str, parent: int | None, decision: Decision | None, **info) -> int:
+        """A new version (`info`: more figures to keep with it, e.g. its round)."""
         version = len(self.versions)
         self.versions.append({
             "version": version, "parent": parent, "export": export,
             "promoted": decision is None or decision.promote,
-            "gate": None if decision is None else asdict(decision),
+            "gate": None if decision is None else asdict(decision), **info,
         })  # fmt: skip
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.versions, indent=1))

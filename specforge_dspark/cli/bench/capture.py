@@ -15,7 +15,6 @@ context length or token pool, less SGLang's margin) unless --seq-len asks for fe
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import sys
 import tempfile
@@ -24,12 +23,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from specforge_dspark.cli.parser import command_parser
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from specforge_dspark.engines.spec_server import free_port
 
 
 def bench_recipe(target: str, output_dir: str, max_length: int):
@@ -43,7 +37,7 @@ def bench_recipe(target: str, output_dir: str, max_length: int):
                 "device": "cpu",
                 "prefetch": 1,
                 "timeout_s": 600,
-                "sglang": {"port": _free_port()},
+                "sglang": {"port": free_port()},
             },
             "draft": {"target_layer_ids": [0, 1, 2], "num_target_layers": 4, "vocab_size": 1088},
             "data": {"max_length": max_length},

@@ -1,0 +1,103 @@
+"""An SGLang server that serves a drafter: `sglang.launch_server --speculative-algorithm
+DSPARK|DFLASH --speculative-draft-model-path EXPORT_DIR` (the algorithm named by the
+export's `architectures`, drafters.registry.kind_of_dir) for a target, greedily, on SGLang's
+CPU engine when `device` is cpu (fp32 there, where it is exact). The serving engine the
+judge (evaluation/serve_check.py) and the closed loop (cli/loop.py) both start."""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+from pathlib import Path
+
+from specforge_dspark.config.servers import SGLangServer
+from specforge_dspark.drafters.registry import KINDS, kind_of_dir
+from specforge_dspark.engines.inkling_layout import needs_radix_cache, sglang_layout
+from specforge_dspark.engines.launch import cli_flag
+from specforge_dspark.engines.sglang import ServerProcess, cpu_engine_args
+
+START_TIMEOUT_S = 600.0
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS's choice)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spec_server_args(
+    target: str,
+    draft: str,
+    port: int,
+    dtype: str,
+    device: str,
+    sts: Path | None = None,
+    tp_size: int = 1,
+) -> list[str]:
+    """`sglang.launch_server` arguments that serve `draft` for `target` greedily (with the
+    confidence calibration `sts` when given) at tensor-parallel size `tp_size`."""
+    served = sglang_layout(target, log=lambda *a: None)  # a transformers Inkling: converted
+    args = ["--model-path", str(served), "--port", str(port), "--host", "127.0.0.1"]
+    algorithm = KINDS[kind_of_dir(draft)].algorithm
+    args += ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", str(draft)]
+    if sts is not None:
+        args += ["--speculative-dspark-confidence-sts-path", str(sts)]
+    args += ["--dtype", dtype, "--disable-overlap-schedule"]
+    if not needs_radix_cache(served):  # SGLang's Inkling asserts it on
+        args += ["--disable-radix-cache"]
+    engine = cpu_engine_args(served) if device == "cpu" else {}
+    for key, value in {**engine, "tp_size": tp_size}.items():
+        args += cli_flag(key, value)
+    return args
+
+
+def wait_healthy(server: ServerProcess, url: str, timeout_s: float = START_TIMEOUT_S) -> float:
+    """Seconds until `url` answers /health_generate; raises with the log's tail when the
+    server exits first, or after `timeout_s`."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        code = server.exit_code()
+        if code is not None:
+            raise RuntimeError(f"SGLang server exited ({code}); log tail:\n{server.tail(40)}")
+        try:
+            with urllib.request.urlopen(f"{url}/health_generate", timeout=5) as r:
+                if r.status == 200:
+                    return time.monotonic() - t0
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"SGLang server at {url} not healthy within {timeout_s:g}s")
+
+
+def start_spec_server(
+    target: str | Path,
+    draft: str | Path,
+    port: int,
+    log_path: Path,
+    device: str = "cpu",
+    dtype: str = "float32",
+    sglang_python: str = SGLangServer.python,
+    tp_size: int = 1,
+) -> tuple[ServerProcess, str]:
+    """(the server, its URL) once healthy; DRAFT/sts_calibration.json is served with it."""
+    from specforge_dspark.decoding.sts import STS_FILE
+
+    sts = Path(draft) / STS_FILE
+    server = ServerProcess(
+        sglang_python,
+        spec_server_args(
+            str(target), str(draft), port, dtype, device, sts if sts.is_file() else None, tp_size
+        ),  # fmt: skip
+        log_path,
+        cpu_engine=device == "cpu",
+        key="--sglang-python",
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(server, url)
+    except BaseException:
+        server.stop()
+        raise
+    return server, url

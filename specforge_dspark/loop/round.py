@@ -1,0 +1,336 @@
+"""Rounds of the closed loop, every phase resumable (state.json names the phases done):
+
+  record  the serving engine answers this round's traffic; each request journaled once
+  mine    the next mix: lowest served acceptance first, plus a replay share (mine.py)
+  train   train.py from the serving drafter's weights on the mix, `steps_per_round` steps
+  gate    the engine decodes the held-out requests (and the guard workloads) with the
+          serving drafter and with the candidate: promoted only on a paired gain, with
+          every answer equal on both (lossless) and no workload losing more than the
+          margin (gate.py)
+  swap    the candidate's server, already up and judged, becomes the serving one before
+          the old one stops (blue/green: the serving URL always answers); a refused
+          candidate's server stops and the serving drafter keeps serving
+
+Under loop.dir: records.jsonl, lineage.json, state.json, servers/*.log and
+rounds/<r>/{mix.jsonl, mine.json, train/, gate.json, round.json}."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
+from specforge_dspark.engines.sglang import ServerProcess
+from specforge_dspark.engines.spec_server import free_port, start_spec_server
+from specforge_dspark.loop.gate import Lineage, gate
+from specforge_dspark.loop.mine import held_out, mine
+from specforge_dspark.loop.records import Journal, served_figures
+from specforge_dspark.loop.serve import generate, record_traffic
+
+PHASES = ("record", "mine", "train", "gate", "swap")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """`obj` as JSON at `path`, whole or not at all (rename)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def traffic_requests(workloads: list[str], per_round: int, rnd: int) -> list[tuple]:
+    """Round `rnd`'s (request id, messages, workload): the next per_round / len(workloads)
+    first-turn prompts of each workload (ids `workload:index`, the same on every resume)."""
+    n = -(-per_round // len(workloads))
+    out = []
+    for spec in workloads:
+        w = parse_workload(spec)
+        for conv in load_conversations(w, (rnd + 1) * n)[rnd * n :]:
+            out.append((f"{w.name}:{conv.index}", [{"role": "user", "content": conv.turns[0]}],
+                        w.name))  # fmt: skip
+    return out
+
+
+def replay_rows(recipe, limit: int = 5000) -> list[dict]:
+    """Rows of data.train_files (what the drafter learnt before) as `messages` rows."""
+    from data_pipelines.formats import FormatConfig, RowError, normalize
+    from data_pipelines.ingest import read_rows
+
+    d = recipe.data
+    cfg = FormatConfig(d.format, d.prompt_field, d.response_field, d.system_prompt)
+    rows: list[dict] = []
+    for path in d.train_files:
+        for raw in read_rows(path):
+            try:
+                conv = normalize(raw.value, cfg)
+            except RowError:
+                continue
+            rows.append({"id": f"replay:{Path(path).name}:{raw.index}", "messages": conv.messages})
+            if len(rows) >= limit:
+                return rows
+    return rows
+
+
+def stop_token_ids(path: str, tokenizer) -> set[int]:
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, GenerationConfig
+
+    from specforge_dspark.decoding.hf_target import eos_token_ids
+
+    try:
+        gen = GenerationConfig.from_pretrained(path)
+    except OSError:
+        gen = None
+    model = SimpleNamespace(generation_config=gen, config=AutoConfig.from_pretrained(path))
+    return eos_token_ids(model, tokenizer)
+
+
+@dataclass
+class Served:
+    """A live drafter-serving server: which version, its process and URL."""
+
+    version: int
+    proc: ServerProcess
+    url: str
+
+
+@dataclass
+class Loop:
+    recipe: Any
+    overrides: list[str] = field(default_factory=list)
+    nproc: int = 2
+    log: Callable[[str], None] = print
+
+    def __post_init__(self) -> None:
+        from transformers import AutoTokenizer
+
+        lp, t = self.recipe.loop, self.recipe.target
+        self.root = Path(lp.dir or Path(self.recipe.train.output_dir) / "loop")
+        (self.root / "servers").mkdir(parents=True, exist_ok=True)
+        self.journal = Journal(self.root / "records.jsonl")
+        self.lineage = Lineage(self.root / "lineage.json")
+        if not self.lineage.versions:
+            first = lp.serve_from or self.recipe.draft.init_from
+            if not first or not Path(first).is_dir():
+                raise ValueError(
+                    f"loop: no serving drafter: set loop.serve_from (or draft.init_from) to an "
+                    f"exported drafter directory (got {first!r})"
+                )
+            self.lineage.add(str(first), None, None, round=None)
+        state = self.root / "state.json"
+        self.state = json.loads(state.read_text()) if state.is_file() else {
+            "round": 0, "done": [], "used": []}  # fmt: skip
+        self.tokenizer = AutoTokenizer.from_pretrained(t.path)
+        self.stop_ids = stop_token_ids(t.path, self.tokenizer)
+        self.serving: Served | None = None
+
+    # -- bookkeeping ----------------------------------------------------------------
+    def round_dir(self) -> Path:
+        d = self.root / "rounds" / str(self.state["round"])
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def _done(self, phase: str, **update) -> None:
+        self.state.update(update)
+        self.state["done"].append(phase)
+        if phase == PHASES[-1]:
+            self.state.update(round=self.state["round"] + 1, done=[])
+        write_json(self.root / "state.json", self.state)
+
+    def start(self, version: int, export: str | Path | None = None) -> Served:
+        """A server for `version` (its export, or `export` for a candidate not yet in the
+        lineage); a reaper stops it if this process dies."""
+        export = export or self.lineage.versions[version]["export"]
+        t = self.recipe.target
+        port = free_port()
+        log = self.root / "servers" / f"v{version}-{port}.log"
+        t0 = time.monotonic()
+        proc, url = start_spec_server(t.path, export, port, log, t.device, t.dtype,
+                                      t.sglang.python)  # fmt: skip
+        self.log(
+            f"loop: version {version} serving at {url} ({time.monotonic() - t0:.0f}s to start)"
+        )
+        return Served(version, proc, url)
+
+    def ensure_serving(self) -> Served:
+        version = self.lineage.serving()["version"]
+        if self.serving is None or self.serving.version != version:
+            self.close()
+            self.serving = self.start(version)
+        return self.serving
+
+    def close(self) -> None:
+        if self.serving is not None:
+            self.serving.proc.stop()
+            self.serving = None
+
+    # -- one round ----------------------------------------------------------------
+    def run_round(self, stop_after: str | None = None) -> dict | None:
+        """The current round's remaining phases (up to `stop_after`); its round.json once
+        the swap is done."""
+        rd, times = self.round_dir(), {}
+        times_path = rd / "times.json"
+        if times_path.is_file():
+            times = json.loads(times_path.read_text())
+        for phase in PHASES:
+            if phase in self.state["done"]:
+                continue
+            t0 = time.monotonic()
+            getattr(self, f"_{phase}")(rd)
+            times[phase] = round(times.get(phase, 0) + time.monotonic() - t0, 1)
+            write_json(times_path, times)
+            self._done(phase)
+            if phase == stop_after:
+                return None
+        summary = {
+            "round": int(rd.name),
+            "seconds": times,
+            "mine": json.loads((rd / "mine.json").read_text()),
+            "gate": json.loads((rd / "gate.json").read_text()),
+            "serving_after": self.lineage.serving()["version"],
+        }
+        write_json(rd / "round.json", summary)
+        return summary
+
+    def _record(self, rd: Path) -> None:
+        lp = self.recipe.loop
+        if not lp.traffic:
+            return  # records come from the engine's request logs (records.Journal)
+        served = self.ensure_serving()
+        reqs = traffic_requests(lp.traffic, lp.requests_per_round, self.state["round"])
+        counts = record_traffic(served.url, self.tokenizer, self.stop_ids, reqs, self.journal,
+                                f"v{served.version}", lp.max_new_tokens)  # fmt: skip
+        self.log(f"loop: round {self.state['round']}: {counts['recorded']} requests recorded, "
+                 f"{counts['already']} already journaled")  # fmt: skip
+
+    def _mine(self, rd: Path) -> None:
+        lp = self.recipe.loop
+        mix, report = mine(self.journal.rows(), replay_rows(self.recipe), lp.rows_per_round,
+                           lp.replay_share, lp.holdout_share, set(self.state["used"]),
+                           seed=self.state["round"])  # fmt: skip
+        if not report["mined"]:
+            raise RuntimeError(
+                f"loop: round {self.state['round']}: no recorded request left to train on "
+                f"({report['traffic_records']} recorded; raise loop.requests_per_round)"
+            )
+        tmp = rd / "mix.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in mix))
+        os.replace(tmp, rd / "mix.jsonl")
+        write_json(rd / "mine.json", report)
+        fresh = [r["id"] for r in mix if not r["id"].startswith("replay:")]
+        self.state["used"] = sorted(set(self.state["used"]) | set(fresh))
+        self.log(f"loop: mined {report['mined']} requests + {report['replayed']} replayed rows; "
+                 f"served accept length {report['served_accept_length']}")  # fmt: skip
+
+    def train_command(self, rd: Path) -> list[str]:
+        lp = self.recipe.loop
+        serving = self.lineage.serving()["export"]
+        return [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(self.nproc),
+            "--master_port", str(free_port()), str(REPO / "train.py"),
+            "--recipe", self.recipe.source, "--resume", "auto", *self.overrides,
+            f"train.output_dir={rd / 'train'}", f"train.max_steps={lp.steps_per_round}",
+            f"draft.init_from={serving}", f"data.train_files=[{rd / 'mix.jsonl'}]",
+            "data.format=messages", "data.eval_files=[]", "data.max_rows=0",
+            "train.eval_interval=0", "export.formats=[sglang]",
+        ]  # fmt: skip
+
+    def _train(self, rd: Path) -> None:
+        cmd = self.train_command(rd)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        with (rd / "train.log").open("a") as out:
+            code = subprocess.run(
+                cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT
+            ).returncode
+        if code != 0:
+            raise RuntimeError(f"loop: training exited {code}; see {rd / 'train.log'}")
+
+    def decode(self, url: str, items: list[tuple[str, list[dict]]]) -> dict[str, dict]:
+        out = {}
+        for rid, messages in items:
+            got = generate(url, render(self.tokenizer, messages), self.recipe.loop.max_new_tokens,
+                           self.stop_ids)  # fmt: skip
+            out[rid] = {**served_figures(got["meta_info"]), "tokens": list(got["output_ids"])}
+        return out
+
+    def gate_items(self) -> tuple[list[tuple[str, list[dict]]], dict[str, str]]:
+        """The gate's requests: every held-out recorded request and the guard prompts."""
+        lp = self.recipe.loop
+        items, workload_of = [], {}
+        for row in self.journal.rows():
+            if held_out(row["id"], lp.holdout_share):
+                items.append((row["id"], row["messages"][:-1]))
+                workload_of[row["id"]] = row["workload"]
+        for spec in lp.guard_workloads:
+            w = parse_workload(spec)
+            for conv in load_conversations(w, lp.guard_prompts):
+                rid = f"guard:{w.name}:{conv.index}"
+                items.append((rid, [{"role": "user", "content": conv.turns[0]}]))
+                workload_of[rid] = w.name
+        return items, workload_of
+
+    def _gate(self, rd: Path) -> None:
+        export = rd / "train" / "export" / "sglang"
+        items, workload_of = self.gate_items()
+        serving = self.ensure_serving()
+        cand = self.start(len(self.lineage.versions), export)  # the version it would become
+        try:
+            old = self.decode(serving.url, items)
+            new = self.decode(cand.url, items)
+        except BaseException:
+            cand.proc.stop()
+            raise
+        self.candidate = cand
+        differ = sorted(k for k in old if old[k]["tokens"] != new[k]["tokens"])
+
+        def units(figs: dict) -> dict:  # request -> (committed tokens, verify steps)
+            return {
+                k: (f["completion_tokens"] - 1, max(f["verify_ct"], 1)) for k, f in figs.items()
+            }
+
+        decision = gate(units(new), units(old), workload_of, self.recipe.loop.forget_margin)
+        if differ:
+            decision.promote = False
+            decision.why = (
+                f"not lossless: {len(differ)} answers differ ({differ[:3]}); {decision.why}"
+            )
+        write_json(rd / "gate.json", {
+            "candidate": str(export), "serving_version": serving.version,
+            "promote": decision.promote, "why": decision.why, "overall": decision.overall,
+            "workloads": decision.workloads, "requests": len(items), "answers_differ": len(differ),
+            "serving_figures": old, "candidate_figures": new,
+        })  # fmt: skip
+        self.log(f"loop: gate: {'PROMOTE' if decision.promote else 'keep serving'}: {decision.why}")
+
+    def _swap(self, rd: Path) -> None:
+        from specforge_dspark.loop.gate import Decision
+
+        g = json.loads((rd / "gate.json").read_text())
+        rnd = int(rd.name)
+        if any(v.get("round") == rnd for v in self.lineage.versions):  # added before a kill
+            version = next(v["version"] for v in self.lineage.versions if v.get("round") == rnd)
+        else:
+            decision = Decision(g["promote"], g["why"], g["overall"], g["workloads"])
+            version = self.lineage.add(g["candidate"], g["serving_version"], decision, round=rnd)
+        cand, self.candidate = getattr(self, "candidate", None), None
+        if not g["promote"]:
+            if cand is not None:
+                cand.proc.stop()
+            self.log(f"loop: version {version} kept, not serving; version "
+                     f"{self.lineage.serving()['version']} serves on")  # fmt: skip
+            return
+        # blue/green: the candidate's server is up and judged; it serves before the old stops
+        new = cand if cand is not None else self.start(version)
+        new.version = version
+        old, self.serving = self.serving, new
+        if old is not None:
+            old.proc.stop()
+        self.log(f"loop: version {version} now serves at {new.url}")
