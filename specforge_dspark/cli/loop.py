@@ -20,7 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="rounds to run (0: until killed)")
     parser.add_argument("--stop-after", choices=PHASES, help="stop after this phase of a round")
     parser.add_argument("--nproc", type=int, default=2, help="training ranks (torchrun)")
-    parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. loop.steps_per_round=200")
+    parser.add_argument(
+        "overrides", nargs="*", help="recipe overrides, e.g. loop.steps_per_round=200"
+    )
     args = parser.parse_args(argv)
     from specforge_dspark.config.recipe import RecipeError, load_recipe
 
