@@ -169,3 +169,78 @@ def test_served_requests_are_recorded_once_with_the_engines_own_figures(tiny_tar
     assert rows[0]["messages"][-1] == {"role": "assistant", "content": "Forty-two clips."}
     assert served_accept_length(rows[0]) == (len(answer) - 1) / 2
     assert rows[2]["served"]["accepted_hist"] == [0, 1, 1] and rows[2]["workload"] == "gsm8k"
+
+
+def test_a_swap_under_a_steady_stream_drops_no_request():
+    """Requests stream through the loop's front while it switches from backend A to B; A is
+    shut down as soon as the switch returns. Every request is answered, A had nothing in
+    flight then, and nothing reached A after."""
+    import threading
+    import time
+    import urllib.request
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from specforge_dspark.loop.front import Front
+
+    seen: dict[str, list[tuple[float, float]]] = {"A": [], "B": []}
+
+    def backend(name: str) -> ThreadingHTTPServer:
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self):  # noqa: N802
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                t0 = time.monotonic()
+                time.sleep(0.05)  # a request takes a while: some are in flight at the switch
+                data = json.dumps({"by": name, "echo": json.loads(body)}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                seen[name].append((t0, time.monotonic()))
+
+            def log_message(self, *args):
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server
+
+    a, b = backend("A"), backend("B")
+    front = Front()
+    front.switch(f"http://127.0.0.1:{a.server_address[1]}")
+    answers, errors, stop = [], [], threading.Event()
+
+    def client(k: int) -> None:
+        i = 0
+        while not stop.is_set():
+            body = json.dumps({"client": k, "i": i}).encode()
+            req = urllib.request.Request(f"{front.url}/generate", body, {"X-Key": "k"})
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    answers.append((k, i, json.loads(r.read())))
+            except OSError as e:
+                errors.append(repr(e))
+            i += 1
+
+    clients = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for c in clients:
+        c.start()
+    while len(seen["A"]) < 8:
+        time.sleep(0.01)
+    front.switch(f"http://127.0.0.1:{b.server_address[1]}")
+    switched = time.monotonic()
+    a.shutdown()
+    a.server_close()  # the old server stops: nothing may still need it
+    while len(seen["B"]) < 8:
+        time.sleep(0.01)
+    stop.set()
+    for c in clients:
+        c.join()
+    front.close()
+    b.shutdown()
+    assert errors == [] and front.counts["failed"] == 0
+    assert all(end <= switched for _, end in seen["A"])  # drained before the switch returned
+    by = [ans["by"] for _, _, ans in answers]
+    assert by.count("A") == len(seen["A"]) and by.count("B") == len(seen["B"]) > 0
+    assert all(ans["echo"] == {"client": k, "i": i} for k, i, ans in answers)

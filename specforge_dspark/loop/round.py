@@ -7,9 +7,10 @@
           serving drafter and with the candidate: promoted only on a paired gain, with
           every answer equal on both (lossless) and no workload losing more than the
           margin (gate.py)
-  swap    the candidate's server, already up and judged, becomes the serving one before
-          the old one stops (blue/green: the serving URL always answers); a refused
-          candidate's server stops and the serving drafter keeps serving
+  swap    the candidate's server, already up and judged, takes the requests of the
+          loop's stable address (front.py) and the old one stops once it has none in
+          flight (blue/green: no request dropped); a refused candidate's server stops and
+          the serving drafter keeps serving
 
 Under loop.dir: records.jsonl, lineage.json, state.json, servers/*.log and
 rounds/<r>/{mix.jsonl, mine.json, train/, gate.json, round.json}."""
@@ -29,6 +30,7 @@ from typing import Any
 from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
 from specforge_dspark.engines.sglang import ServerProcess
 from specforge_dspark.engines.spec_server import free_port, start_spec_server
+from specforge_dspark.loop.front import Front
 from specforge_dspark.loop.gate import Lineage, gate
 from specforge_dspark.loop.mine import held_out, mine
 from specforge_dspark.loop.records import Journal, served_figures
@@ -131,6 +133,7 @@ class Loop:
         self.tokenizer = AutoTokenizer.from_pretrained(t.path)
         self.stop_ids = stop_token_ids(t.path, self.tokenizer)
         self.serving: Served | None = None
+        self.front = Front()  # the serving address users keep through swaps (front.py)
 
     # -- bookkeeping ----------------------------------------------------------------
     def round_dir(self) -> Path:
@@ -163,14 +166,21 @@ class Loop:
     def ensure_serving(self) -> Served:
         version = self.lineage.serving()["version"]
         if self.serving is None or self.serving.version != version:
-            self.close()
-            self.serving = self.start(version)
+            self.serve(self.start(version))
         return self.serving
+
+    def serve(self, new: Served) -> None:
+        """`new` takes the front's requests; the old server stops once it has none left."""
+        self.front.switch(new.url)
+        old, self.serving = self.serving, new
+        if old is not None:
+            old.proc.stop()
 
     def close(self) -> None:
         if self.serving is not None:
             self.serving.proc.stop()
             self.serving = None
+        self.front.close()
 
     # -- one round ----------------------------------------------------------------
     def run_round(self, stop_after: str | None = None) -> dict | None:
@@ -206,7 +216,7 @@ class Loop:
             return  # records come from the engine's request logs (records.Journal)
         served = self.ensure_serving()
         reqs = traffic_requests(lp.traffic, lp.requests_per_round, self.state["round"])
-        counts = record_traffic(served.url, self.tokenizer, self.stop_ids, reqs, self.journal,
+        counts = record_traffic(self.front.url, self.tokenizer, self.stop_ids, reqs, self.journal,
                                 f"v{served.version}", lp.max_new_tokens)  # fmt: skip
         self.log(f"loop: round {self.state['round']}: {counts['recorded']} requests recorded, "
                  f"{counts['already']} already journaled")  # fmt: skip
@@ -330,7 +340,5 @@ class Loop:
         # blue/green: the candidate's server is up and judged; it serves before the old stops
         new = cand if cand is not None else self.start(version)
         new.version = version
-        old, self.serving = self.serving, new
-        if old is not None:
-            old.proc.stop()
-        self.log(f"loop: version {version} now serves at {new.url}")
+        self.serve(new)
+        self.log(f"loop: version {version} now serves at {new.url} (behind {self.front.url})")

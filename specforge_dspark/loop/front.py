@@ -1,0 +1,103 @@
+"""One stable address in front of the serving drafter's server, so that a swap drops no
+request: every request is forwarded to the current backend; `switch(url)` sends the next
+requests to `url` and returns once the old backend has none in flight, and only then is
+the old server stopped (loop/round.py). Requests and their answers pass through unchanged
+(the API key header included)."""
+
+from __future__ import annotations
+
+import threading
+import urllib.error
+import urllib.request
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "host", "content-length"}
+
+
+class Front:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 600.0):
+        self.backend: str | None = None
+        self.timeout_s = timeout_s
+        self.inflight: Counter[str] = Counter()
+        self.counts = {"forwarded": 0, "failed": 0}
+        self.cond = threading.Condition()
+        self.server = ThreadingHTTPServer((host, port), self._handler())
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def switch(self, backend: str, drain_timeout_s: float = 600.0) -> None:
+        """New requests go to `backend`; returns when the old one has none in flight."""
+        with self.cond:
+            old, self.backend = self.backend, backend
+            if old is not None and old != backend:
+                if not self.cond.wait_for(lambda: self.inflight[old] == 0, drain_timeout_s):
+                    raise TimeoutError(
+                        f"front: {self.inflight[old]} requests still in flight at {old} "
+                        f"after {drain_timeout_s:g}s"
+                    )
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def _forward(self, method: str, path: str, headers: dict, body: bytes | None):
+        with self.cond:
+            backend = self.backend
+            if backend is None:
+                return 503, {}, b"front: no serving backend yet"
+            self.inflight[backend] += 1
+        try:
+            req = urllib.request.Request(backend + path, body, headers, method=method)
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                    status, out_headers, data = r.status, dict(r.headers), r.read()
+            except urllib.error.HTTPError as e:  # the backend's own answer: passed on
+                status, out_headers, data = e.code, dict(e.headers), e.read()
+            with self.cond:
+                self.counts["forwarded"] += 1
+            return status, out_headers, data
+        except OSError as e:
+            with self.cond:
+                self.counts["failed"] += 1
+            return 502, {}, f"front: {backend} failed: {e}".encode()
+        finally:
+            with self.cond:
+                self.inflight[backend] -= 1
+                self.cond.notify_all()
+
+    def _handler(self):
+        front = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _relay(self, method: str) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(n) if n else None
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
+                status, out_headers, data = front._forward(method, self.path, headers, body)
+                self.send_response(status)
+                for k, v in out_headers.items():
+                    if k.lower() not in HOP_HEADERS:
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):  # noqa: N802
+                self._relay("GET")
+
+            def do_POST(self):  # noqa: N802
+                self._relay("POST")
+
+            def log_message(self, *args):
+                pass
+
+        return Handler
