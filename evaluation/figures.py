@@ -28,12 +28,14 @@ from specforge_dspark.cli.parser import command_parser
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "docs" / "results"
 README = REPO / "README.md"
+PAGES = (README, REPO / "docs" / "loop.md")  # the pages with figures blocks
 # results name -> (run directory, picture in the run, where the picture is published)
 PUBLISHED = {
     "demo": ("runs/demo", "summary.png", "docs/demo_summary.png"),
     "bakeoff": ("runs/bakeoff", "summary.png", "docs/bakeoff_summary.png"),
     "quality": ("runs/quality", "learning_curve.png", "docs/quality_learning_curve.png"),
     "drift": ("runs/drift", "", ""),
+    "loop": ("runs/loop", "", ""),
 }
 BLOCK = re.compile(r"(<!-- figures:(\w+) -->\n)(.*?)(<!-- /figures:\2 -->)", re.S)
 DEMO_NAMES = {
@@ -204,8 +206,42 @@ def render_drift(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_loop(res: dict) -> str:
+    """The closed loop on shifted traffic, from runs/loop/summary.json."""
+    st = res["settings"]
+    lines = [
+        f"SGLang's accept length (95% intervals; each paired against the base on the same "
+        f"requests) of the base drafter, the control (the base trained "
+        f"{st['rounds'] * st['steps_per_round']} more steps on its original mix) and the "
+        f"loop's serving drafter after {st['rounds']} rounds of {st['requests_per_round']} "
+        f"requests; every answer the target's own: {res['lossless']}. " + _source_line(res, "loop"),
+        "| requests | n | base | control | control - base | loop | loop - base |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for group, row in res["table"].items():
+        cells = [
+            group,
+            str(row["requests"]),
+            _cell(row["base"]["accept_length"], row["base"]["ci"]),
+        ]
+        for name in ("control", "loop"):
+            d = row[name]["minus_base"]
+            cells.append(_cell(row[name]["accept_length"], row[name]["ci"]))
+            cells.append(f"{d['difference']:+.3f} [{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}]")
+        lines.append("| " + " | ".join(cells) + " |")
+    rounds = "; ".join(
+        f"round {r['round']}: {'promoted' if r['promoted'] else 'kept'} "
+        f"({sum(r['seconds'].values()):.0f} s: "
+        + ", ".join(f"{k} {v:.0f}" for k, v in r["seconds"].items())
+        + ")"
+        for r in res["rounds"]
+    )
+    return "\n".join(lines) + f"\n\n{rounds}.\n"
+
+
 RENDER = {"demo": render_demo, "bakeoff": render_bakeoff, "quality": render_quality}
 RENDER["drift"] = render_drift
+RENDER["loop"] = render_loop
 
 
 def load_results(name: str, results: Path = RESULTS) -> dict:
@@ -253,8 +289,19 @@ def publish(name: str, run_dir: Path | None = None) -> Path:
     out.write_text(json.dumps(res, indent=1) + "\n")
     if picture and (run / picture).is_file():
         shutil.copyfile(run / picture, REPO / published_picture)
-    README.write_text(render(README.read_text()))
+    render_pages()
     return out
+
+
+def render_pages() -> list[Path]:
+    """Rewrite the figures blocks of every page; returns the pages that changed."""
+    changed = []
+    for page in PAGES:
+        text = page.read_text()
+        if render(text) != text:
+            page.write_text(render(text))
+            changed.append(page)
+    return changed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,14 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.action == "publish":
         print(f"published {publish(a.name, a.run)}; README rendered")
     elif a.action == "render":
-        README.write_text(render(README.read_text()))
+        render_pages()
     else:
-        text = README.read_text()
-        if render(text) != text:
-            print("README.md: figures blocks differ from docs/results; run "
+        stale = [p.relative_to(REPO) for p in PAGES if render(p.read_text()) != p.read_text()]
+        if stale:
+            print(f"{', '.join(map(str, stale))}: figures blocks differ from docs/results; run "
                   "`python -m evaluation.figures render`", file=sys.stderr)  # fmt: skip
             return 1
-        print("README.md figures match docs/results")
+        print("figures blocks match docs/results")
     return 0
 
 

@@ -17,20 +17,22 @@ REPO = figures.REPO
 
 
 def test_the_readmes_figures_are_rendered_from_the_results_files():
-    text = figures.README.read_text()
-    blocks = [m.group(2) for m in figures.BLOCK.finditer(text)]
-    assert "demo" in blocks and "bakeoff" in blocks, blocks
-    assert figures.render(text) == text, (
-        "README.md's figures blocks differ from docs/results: run "
-        "`python -m evaluation.figures render` (or publish the run they came from)"
-    )
+    blocks = []
+    for page in figures.PAGES:
+        text = page.read_text()
+        blocks += [m.group(2) for m in figures.BLOCK.finditer(text)]
+        assert figures.render(text) == text, (
+            f"{page.name}'s figures blocks differ from docs/results: run "
+            "`python -m evaluation.figures render` (or publish the run they came from)"
+        )
+    assert {"demo", "bakeoff", "drift", "loop"} <= set(blocks), blocks
     for path in sorted(figures.RESULTS.glob("*.json")):
         res = figures.load_results(path.stem)  # refuses a file without its provenance
         p = res["provenance"]
         assert re.fullmatch(r"\d{4}-\d\d-\d\d", p["date"]), path
         assert re.fullmatch(r"[0-9a-f]{7,}(\+dirty)?", p["commit"]), path
         assert p["command"].startswith("python scripts/"), path
-        assert path.stem in blocks, f"{path}: published but shown nowhere in the README"
+        assert path.stem in blocks, f"{path}: published but shown on no page"
 
 
 def _demo_results(trained_ci, ngram_ci) -> dict:
@@ -168,3 +170,31 @@ def test_the_drift_table_renders_each_workload():
     row = next(x for x in figures.render_drift(res).splitlines() if x.startswith("| gsm8k"))
     assert row == ("| gsm8k | 0.9583 | 0.00394 | 3.100 [2.90, 3.30] | 3.400 [3.20, 3.60] "
                    "| +0.300 [+0.10, +0.50] | 3.500 [3.30, 3.70] |")  # fmt: skip
+
+
+def test_the_loop_block_shows_each_drafter_paired_against_the_base(tmp_path):
+    def cell(al, ci, d=None):
+        out = {"accept_length": al, "ci": ci}
+        if d is not None:
+            out["minus_base"] = {"difference": d, "ci": [d - 0.1, d + 0.1], "units": 9}
+        return out
+
+    res = {
+        "table": {"shifted traffic (held out)": {"requests": 9, "base": cell(2.1, [1.9, 2.3]),
+                  "control": cell(2.15, [1.9, 2.4], 0.05), "loop": cell(2.6, [2.4, 2.8], 0.5)}},
+        "lossless": True,
+        "rounds": [{"round": 0, "seconds": {"record": 30.0, "train": 90.0}, "promoted": True}],
+        "settings": {"rounds": 1, "requests_per_round": 12, "steps_per_round": 50},
+        "provenance": {"date": "2026-12-04", "commit": "abc1234", "machine": "m",
+                       "command": "python scripts/loop.py"},
+    }  # fmt: skip
+    (tmp_path / "loop.json").write_text(json.dumps(res))
+    out = figures.render("<!-- figures:loop -->\n<!-- /figures:loop -->\n", tmp_path)
+    row = next(line for line in out.splitlines() if line.startswith("| shifted"))
+    assert row == (
+        "| shifted traffic (held out) | 9 | 2.100 [1.90, 2.30] | 2.150 [1.90, 2.40] "
+        "| +0.050 [-0.05, +0.15] | 2.600 [2.40, 2.80] | +0.500 [+0.40, +0.60] |"
+    )
+    assert (
+        "trained 50 more steps" in out and "round 0: promoted (120 s: record 30, train 90)" in out
+    )
