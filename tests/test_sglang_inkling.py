@@ -30,7 +30,9 @@ from tests.live_sglang import free_port, tiny_sglang_recipe
 from tests.test_sglang_live import _batches, _collect, _hf_recipe, _max_diff
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 12  # each live step prefills under Triton's interpreter
+# each live step prefills under Triton's interpreter (~10 s at TP 2); six losses, each after
+# an optimizer update, are equal to the hf backend's only if every feature is
+STEPS = 6
 
 
 def _live_recipe(target: Path, url: str):
