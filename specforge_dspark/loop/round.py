@@ -198,7 +198,7 @@ class Loop:
             times[phase] = round(times.get(phase, 0) + time.monotonic() - t0, 1)
             write_json(times_path, times)
             self._done(phase)
-            if phase == stop_after:
+            if phase == stop_after and phase != PHASES[-1]:
                 return None
         summary = {
             "round": int(rd.name),
@@ -248,6 +248,7 @@ class Loop:
             "--master_port", str(free_port()), str(REPO / "train.py"),
             "--recipe", self.recipe.source, "--resume", "auto", *self.overrides,
             f"train.output_dir={rd / 'train'}", f"train.max_steps={lp.steps_per_round}",
+            "train.epochs=100000",  # the step budget ends the round, not the mix's size
             f"draft.init_from={serving}", f"data.train_files=[{rd / 'mix.jsonl'}]",
             "data.format=messages", "data.eval_files=[]", "data.max_rows=0",
             "train.eval_interval=0", "export.formats=[sglang]",
