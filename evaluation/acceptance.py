@@ -215,9 +215,10 @@ def evaluate(
         raise ValueError(f"--workloads: a workload name is given twice in {names}")
     is_export = isinstance(draft, Path) or isinstance(draft, str) and not draft.startswith("ngram:")
     if is_export:  # an export made for another target: refuse it
+        from specforge_dspark.decoding.loading import NO_SELECTOR
         from specforge_dspark.export.conventions import check_conventions
 
-        check_conventions(draft, target_path=target_path)
+        check_conventions(str(draft).removeprefix(NO_SELECTOR), target_path=target_path)
     drafter = load_drafter(draft, device, DTYPES[dtype])
     G = int(drafter.config.block_size)
     layer_ids = list(drafter.config.target_layer_ids)

@@ -259,3 +259,23 @@ def test_under_dpace_the_selector_ce_is_weighted_by_each_slots_reach(monkeypatch
     want = fixed["w"].view_as(coef).to(coef.dtype) * uniform
     torch.testing.assert_close(coef, want)
     assert coef[supervised].unique().numel() > 1  # not the uniform normaliser
+
+
+def test_evaluation_checks_the_export_behind_no_selector(monkeypatch, tmp_path):
+    """evaluation.acceptance checks the conventions of DIR itself for `no-selector:DIR`
+    (the bake-off's DFlash2 with its selector off failed there on the prefixed path)."""
+    import specforge_dspark.export.conventions as conventions
+    from evaluation.acceptance import evaluate
+
+    checked = []
+
+    def check(path, target_path=None):
+        checked.append(str(path))
+        raise RuntimeError("checked")
+
+    monkeypatch.setattr(conventions, "check_conventions", check)
+    with pytest.raises(RuntimeError, match="checked"):
+        evaluate(
+            tmp_path / "target", f"no-selector:{tmp_path / 'dflash2'}", ["gsm8k"], 1, 8, tmp_path
+        )
+    assert checked == [str(tmp_path / "dflash2")]
