@@ -92,6 +92,7 @@ def recipe_digest(recipe: str, overrides: list[str]) -> str:
     from specforge_dspark.config.recipe import load_recipe
 
     resolved = load_recipe(recipe, overrides).to_dict()
+    resolved.pop("loop")  # the serving loop's settings: not read by a training run
     return hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()
 
 
