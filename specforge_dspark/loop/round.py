@@ -70,11 +70,13 @@ def replay_rows(recipe, limit: int = 5000) -> list[dict]:
     rows: list[dict] = []
     for path in d.train_files:
         for raw in read_rows(path):
+            if raw.error is not None:
+                continue
             try:
                 conv = normalize(raw.value, cfg)
             except RowError:
                 continue
-            rows.append({"id": f"replay:{Path(path).name}:{raw.index}", "messages": conv.messages})
+            rows.append({"id": f"replay:{Path(path).name}:{raw.row}", "messages": conv.messages})
             if len(rows) >= limit:
                 return rows
     return rows
