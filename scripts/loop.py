@@ -54,7 +54,7 @@ def original_answers(out: Path) -> Path:
     return path
 
 
-def judge(loop, exports: dict[str, str], items, workload_of) -> dict[str, dict]:
+def judge(loop, exports: dict[str, str], items) -> dict[str, dict]:
     """Each export served by SGLang in turn, every item decoded: name -> request -> figures."""
     out = {}
     for name, export in exports.items():
@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         f"loop.steps_per_round={a.steps}", f"loop.rows_per_round={a.requests}",
         "loop.replay_share=0.3", "loop.holdout_share=0.25", "loop.guard_workloads=[gsm8k]",
         "loop.guard_prompts=16", f"checkpoint.save_interval={a.steps}",
+        f"data.train_files=[{original}]", "data.format=messages",  # the replay: base's mix
     ]  # fmt: skip
     state = out / "loop" / "state.json"
     done = json.loads(state.read_text())["round"] if state.is_file() else 0
@@ -114,10 +115,10 @@ def main(argv: list[str] | None = None) -> int:
 
     demo.step("4/4 SGLang decodes the held-out traffic and the guard prompts with each")
     loop = Loop(load_recipe(RECIPE, loop_args), loop_args, a.nproc)
-    items, workload_of = loop.gate_items()
+    items, _ = loop.gate_items()
     serving = loop.lineage.serving()
     exports = {"base": base["export"], "control": control["export"], "loop": serving["export"]}
-    figs = judge(loop, exports, items, workload_of)
+    figs = judge(loop, exports, items)
 
     def units(name: str, keys) -> dict:
         return {k: (figs[name][k]["completion_tokens"] - 1, max(figs[name][k]["verify_ct"], 1))
