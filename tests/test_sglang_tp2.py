@@ -58,7 +58,7 @@ def test_tp2_features_equal_the_hf_backend_and_both_ranks_write(
 
 
 @pytest.mark.slow
-def test_twenty_steps_at_tp2_match_the_hf_backend(tp2_server, tmp_path):
+def test_ten_steps_at_tp2_match_the_hf_backend(tp2_server, tmp_path):
     extra = (f"train.max_steps={STEPS}", "train.micro_batch_size=2", "target.prefetch=3")
     hf = _train(tmp_path / "hf", "hf", "--resume", "none", *extra)
     assert hf.returncode == 0, (tmp_path / "hf" / "job.log").read_text()[-3000:]
