@@ -36,7 +36,8 @@ import quality  # noqa: E402  (scripts/quality.py: one cached training run per b
 RECIPE = "recipes/tiny_cpu_sglang.yaml"
 ORIGINAL_MIX = (("train/gsm8k_train.jsonl", "question", 0, 400),)
 TRAIN = ("target.backend=hf", "train.preflight_samples=0", "tracking.enabled=false",
-         "train.eval_interval=0", "export.formats=[sglang]")  # fmt: skip
+         "train.eval_interval=0", "export.formats=[sglang]",
+         "train.epochs=1000")  # train.max_steps (the budget) decides  # fmt: skip
 TRAFFIC = "[mt_bench,humaneval,math500]"
 
 
