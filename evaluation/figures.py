@@ -253,9 +253,10 @@ def load_results(name: str, results: Path = RESULTS) -> dict:
     return res
 
 
-def render(text: str, results: Path = RESULTS) -> str:
-    """`text` (a README) with every figures block rendered from its results file; a block
-    whose results file does not exist yet says which command publishes it."""
+def render(text: str, results: Path = RESULTS, in_docs: bool = False) -> str:
+    """`text` (a README, or a page of docs/ when `in_docs`: its links drop the `docs/`)
+    with every figures block rendered from its results file; a block whose results file
+    does not exist yet says which command publishes it."""
 
     def block(m: re.Match) -> str:
         name = m.group(2)
@@ -269,6 +270,8 @@ def render(text: str, results: Path = RESULTS) -> str:
         else:
             body = (f"Not published yet: run `make {name}`, then "
                     f"`python -m evaluation.figures publish {name}`.\n")  # fmt: skip
+        if in_docs:
+            body = body.replace("](docs/", "](")
         return m.group(1) + body + m.group(4)
 
     return BLOCK.sub(block, text)
@@ -298,10 +301,14 @@ def render_pages() -> list[Path]:
     changed = []
     for page in PAGES:
         text = page.read_text()
-        if render(text) != text:
-            page.write_text(render(text))
+        if render_page(page) != text:
+            page.write_text(render_page(page))
             changed.append(page)
     return changed
+
+
+def render_page(page: Path) -> str:
+    return render(page.read_text(), in_docs=page.parent.name == "docs")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     elif a.action == "render":
         render_pages()
     else:
-        stale = [p.relative_to(REPO) for p in PAGES if render(p.read_text()) != p.read_text()]
+        stale = [p.relative_to(REPO) for p in PAGES if render_page(p) != p.read_text()]
         if stale:
             print(f"{', '.join(map(str, stale))}: figures blocks differ from docs/results; run "
                   "`python -m evaluation.figures render`", file=sys.stderr)  # fmt: skip
