@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -37,8 +38,7 @@ from specforge_dspark.decoding.loading import DTYPES, check_pair, head_fns, load
 from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
 from specforge_dspark.decoding.spec_decode import Generation, speculative_generate
 from specforge_dspark.drafters.registry import KINDS, kind_of_dir
-from specforge_dspark.engines.sglang import ServerProcess
-from specforge_dspark.engines.spec_server import spec_server_args, wait_healthy
+from specforge_dspark.engines.spec_server import start_spec_server
 from specforge_dspark.export.conventions import check_conventions
 from specforge_dspark.loop.serve import generate as loop_generate
 
@@ -139,20 +139,15 @@ def serve_check(
     head = load_frozen_head(target, device=device, dtype=DTYPES[dtype])
     embed_fn, logits_fn = head_fns(head)
 
-    url = f"http://127.0.0.1:{port}"
     sts = Path(draft) / STS_FILE
-    sts = sts if sts.is_file() else None
-    server = ServerProcess(
-        sglang_python,
-        spec_server_args(str(target), str(draft), port, dtype, device, sts, tp_size),
-        out / "sglang_server.log",
-        cpu_engine=device == "cpu",
-        key="--sglang-python",
-    )
+    sts = sts if sts.is_file() else None  # start_spec_server serves it with the draft
+    t0 = time.monotonic()
+    server, url = start_spec_server(target, draft, port, out / "sglang_server.log", device,
+                                    dtype, sglang_python, tp_size)  # fmt: skip
+    start_s = time.monotonic() - t0
+    log(f"SGLang {KINDS[kind_of_dir(draft)].algorithm} server ready in {start_s:.0f}s ({url})")
     rows: list[dict] = []
     try:
-        start_s = wait_healthy(server, url)
-        log(f"SGLang {KINDS[kind_of_dir(draft)].algorithm} server ready in {start_s:.0f}s ({url})")
         for spec in workloads:
             workload = parse_workload(spec)
             for conv in load_conversations(workload, num_prompts):

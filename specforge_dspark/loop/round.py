@@ -136,6 +136,7 @@ class Loop:
         self.stop_ids = stop_token_ids(t.path, self.tokenizer)
         self.serving: Served | None = None
         self.front = Front()  # the serving address users keep through swaps (front.py)
+        self.candidate: Served | None = None  # judged by the gate, served or stopped by the swap
 
     # -- bookkeeping ----------------------------------------------------------------
     def round_dir(self) -> Path:
@@ -333,7 +334,7 @@ class Loop:
         else:
             decision = Decision(g["promote"], g["why"], g["overall"], g["workloads"])
             version = self.lineage.add(g["candidate"], g["serving_version"], decision, round=rnd)
-        cand, self.candidate = getattr(self, "candidate", None), None
+        cand, self.candidate = self.candidate, None
         if not g["promote"]:
             if cand is not None:
                 cand.proc.stop()
