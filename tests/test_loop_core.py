@@ -244,3 +244,109 @@ def test_a_swap_under_a_steady_stream_drops_no_request():
     by = [ans["by"] for _, _, ans in answers]
     assert by.count("A") == len(seen["A"]) and by.count("B") == len(seen["B"]) > 0
     assert all(ans["echo"] == {"client": k, "i": i} for k, i, ans in answers)
+
+
+def _fake_engine(verify_of: dict[int, int], answer: list[int]):
+    """Loop.start's stand-in: per drafter version an HTTP server speaking SGLang's
+    /generate with the same answer for every prompt and that version's verify steps (a
+    prompt's length mod 3 added, so requests differ); `stopped` lists the versions
+    whose server was stopped."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    from specforge_dspark.loop.round import Served
+
+    stopped: list[int] = []
+
+    def start(loop, version: int, export=None) -> Served:
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                verify = verify_of[version] + len(body["input_ids"]) % 3
+                data = json.dumps({"output_ids": answer, "meta_info": {
+                    "completion_tokens": len(answer), "spec_verify_ct": verify,
+                    "spec_correct_drafts_histogram": [verify]}}).encode()  # fmt: skip
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+
+        def stop() -> None:
+            stopped.append(version)
+            server.shutdown()
+            server.server_close()
+
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        return Served(version, SimpleNamespace(stop=stop), url)
+
+    return start, stopped
+
+
+@pytest.mark.parametrize("promoted_verify", [20, 5])
+def test_a_served_regression_after_a_swap_is_confirmed_by_the_engine_and_rolled_back(
+    promoted_verify, tiny_qwen3_dir, tmp_path, monkeypatch
+):
+    """Version 1 (promoted over version 0 at round 0) serves round 1's traffic; the loop
+    compares its served accept length with version 0's on the traffic 0 served. At 20
+    verify steps for 21 tokens (about 1.0 against 4.0) the drop is put to the engine, which
+    decodes version 1's held-out requests with both: version 0 is better, version 1 is
+    rolled back and version 0 serves the front again. At 5 (as good as 0) nothing happens."""
+    from transformers import AutoTokenizer
+
+    from specforge_dspark.loop.round import Loop
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    answer = tok.encode("The answer is forty-two, as the clips add up.", add_special_tokens=False)
+    answer = (answer * 3)[:21]
+    start, stopped = _fake_engine({0: 5, 1: promoted_verify}, answer)
+    monkeypatch.setattr(Loop, "start", start)
+    loop_dir, base = tmp_path / "loop", tmp_path / "export"
+    loop_dir.mkdir()
+    base.mkdir()
+    recipe = load_recipe(REPO / "recipes/tiny_cpu_sglang.yaml", [
+        f"target.path={tiny_qwen3_dir}", f"loop.dir={loop_dir}", f"loop.serve_from={base}",
+        "loop.traffic=[gsm8k]", "loop.requests_per_round=12", "loop.holdout_share=0.5",
+    ])  # fmt: skip
+    lineage = Lineage(loop_dir / "lineage.json")
+    lineage.add(str(base), None, None, round=None)
+    lineage.add(str(base), 0, None, round=0)  # promoted at round 0
+    journal = Journal(loop_dir / "records.jsonl")
+    for i in range(12):  # what version 0 served in round 0
+        meta = {"completion_tokens": 21, "spec_verify_ct": 5 + i % 3}
+        row = record(f"old:{i}", [{"role": "user", "content": f"q{i}"}], "a", served_figures(meta),
+                     "v0", "sglang", "gsm8k")  # fmt: skip
+        journal.append(row)
+    (loop_dir / "state.json").write_text(json.dumps({"round": 1, "done": [], "used": []}))
+    said: list[str] = []
+    loop = Loop(recipe, log=said.append)
+    try:
+        loop._record(loop.round_dir())
+        asked = [("x", [{"role": "user", "content": "How many clips?"}])]
+        via_front = loop.decode(loop.front.url, asked)["x"]["verify_ct"]  # who answers now
+    finally:
+        loop.close()
+    seen = json.loads((loop_dir / "rounds" / "1" / "watch.json").read_text())
+    versions = json.loads((loop_dir / "lineage.json").read_text())
+    round_1 = [r for r in Journal(loop_dir / "records.jsonl").rows() if r["drafter"] == "v1"]
+    assert len(round_1) == 12  # the round's traffic, served by version 1
+    assert seen["version"] == 1 and seen["parent"] == 0 and seen["served"]["units"] == [12, 12]
+    if promoted_verify == 20:
+        assert seen["served"]["ci"][1] < -recipe.loop.forget_margin, seen
+        assert seen["roll_back"] and seen["confirmed"]["better"] == "a", seen
+        held = sum(held_out(r["id"], 0.5) for r in round_1)
+        assert seen["confirmed"]["units"] == (held or len(round_1))
+        assert not versions[1]["promoted"] and "served regression" in versions[1]["rolled_back"]
+        assert loop.lineage.serving()["version"] == 0 and stopped[0] == 1  # 1 left service
+        assert via_front < 10  # version 0's figures: it serves the front's requests
+        assert any("version 1 rolled back; version 0 serves again" in s for s in said), said
+    else:
+        assert not seen["roll_back"] and seen["confirmed"] is None, seen
+        assert versions[1]["promoted"] and "rolled_back" not in versions[1]
+        assert stopped == [1]  # only at close: no second server was started

@@ -1,6 +1,8 @@
-"""Bootstrap intervals of accept length over prompts: one drafter's (`bootstrap_ci`), and
-the paired difference of two drafters decoded on the same prompts (`paired_difference`),
-which evaluation reports and the serving loop's gate (loop/gate.py) promotes on."""
+"""Bootstrap intervals of accept length over prompts: one drafter's (`bootstrap_ci`); the
+paired difference of two drafters decoded on the same prompts (`paired_difference`), which
+evaluation reports and the serving loop's gate (loop/gate.py) promotes on; and the
+unpaired one of two drafters served on different requests (`unpaired_difference`), with
+which the loop watches a promoted drafter's served traffic."""
 
 from __future__ import annotations
 
@@ -60,3 +62,34 @@ def paired_difference(
     better = "a" if low > 0 else "b" if high < 0 else None
     return {"difference": round(point, 4), "ci": [round(low, 4), round(high, 4)],
             "units": len(keys), "better": better}  # fmt: skip
+
+
+def unpaired_difference(
+    a: list[tuple[float, float]],
+    b: list[tuple[float, float]],
+    n_boot: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> dict:
+    """Pooled accept length of units `a` minus that of units `b`, each unit (committed
+    tokens, verify steps), where the two were decoded on DIFFERENT requests (two drafter
+    versions' served traffic): each side is resampled on its own, so the interval is wider
+    than a paired one. Returns {"difference", "ci", "units": [len(a), len(b)]}."""
+    import torch
+
+    if not a or not b:
+        raise ValueError(f"unpaired_difference: {len(a)} and {len(b)} units (need both)")
+    gen = torch.Generator().manual_seed(seed)
+
+    def resampled(units: list[tuple[float, float]]) -> tuple[float, torch.Tensor]:
+        c, n = torch.tensor(units, dtype=torch.float64).unbind(1)
+        idx = torch.randint(0, len(units), (n_boot, len(units)), generator=gen)
+        return float(c.sum() / n.sum()), c[idx].sum(1) / n[idx].sum(1).clamp_min(1e-12)
+
+    (pa, ra), (pb, rb) = resampled(a), resampled(b)
+    alpha = (1 - level) / 2
+    low, high = (
+        float(x) for x in torch.quantile(ra - rb, torch.tensor([alpha, 1 - alpha]).double())
+    )
+    return {"difference": round(pa - pb, 4), "ci": [round(low, 4), round(high, 4)],
+            "units": [len(a), len(b)]}  # fmt: skip

@@ -70,10 +70,19 @@ class Lineage:
             "promoted": decision is None or decision.promote,
             "gate": None if decision is None else asdict(decision), **info,
         })  # fmt: skip
+        self._write()
+        return version
+
+    def roll_back(self, version: int, why: str) -> None:
+        """`version` leaves service (a served regression after its swap): no longer
+        promoted, the reason kept; the newest promoted version before it serves again."""
+        self.versions[version].update(promoted=False, rolled_back=why)
+        self._write()
+
+    def _write(self) -> None:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.versions, indent=1))
         os.replace(tmp, self.path)
-        return version
 
     def serving(self) -> dict[str, Any] | None:
         promoted = [v for v in self.versions if v["promoted"]]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from pathlib import Path
 from typing import Any
 
 from specforge_dspark.loop.records import served_accept_length
@@ -63,3 +64,25 @@ def mine(
         },
     }
     return picked + replayed, report
+
+
+def replay_rows(recipe, limit: int = 5000) -> list[dict]:
+    """Rows of data.train_files (what the drafter learnt before) as `messages` rows."""
+    from data_pipelines.formats import FormatConfig, RowError, normalize
+    from data_pipelines.ingest import read_rows
+
+    d = recipe.data
+    cfg = FormatConfig(d.format, d.prompt_field, d.response_field, d.system_prompt)
+    rows: list[dict] = []
+    for path in d.train_files:
+        for raw in read_rows(path):
+            if raw.error is not None:
+                continue
+            try:
+                conv = normalize(raw.value, cfg)
+            except RowError:
+                continue
+            rows.append({"id": f"replay:{Path(path).name}:{raw.row}", "messages": conv.messages})
+            if len(rows) >= limit:
+                return rows
+    return rows

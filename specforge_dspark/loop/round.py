@@ -27,17 +27,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specforge_dspark.decoding.intervals import paired_difference, unpaired_difference
 from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
 from specforge_dspark.engines.sglang import ServerProcess
 from specforge_dspark.engines.spec_server import free_port, start_spec_server
 from specforge_dspark.loop.front import Front
 from specforge_dspark.loop.gate import Lineage, gate
-from specforge_dspark.loop.mine import held_out, mine
+from specforge_dspark.loop.mine import held_out, mine, replay_rows
 from specforge_dspark.loop.records import Journal, served_figures
-from specforge_dspark.loop.serve import generate, record_traffic
+from specforge_dspark.loop.serve import generate, record_traffic, stop_token_ids, traffic_requests
 
 PHASES = ("record", "mine", "train", "gate", "swap")
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _units(served: dict) -> tuple[int, int]:
+    """A served request's (committed tokens, verify steps), as the engine counts them."""
+    return served["completion_tokens"] - 1, max(served["verify_ct"], 1)
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -45,56 +51,6 @@ def write_json(path: Path, obj: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1))
     os.replace(tmp, path)
-
-
-def traffic_requests(workloads: list[str], per_round: int, rnd: int) -> list[tuple]:
-    """Round `rnd`'s (request id, messages, workload): the next per_round / len(workloads)
-    first-turn prompts of each workload (ids `workload:index`, the same on every resume)."""
-    n = -(-per_round // len(workloads))
-    out = []
-    for spec in workloads:
-        w = parse_workload(spec)
-        for conv in load_conversations(w, (rnd + 1) * n)[rnd * n :]:
-            out.append((f"{w.name}:{conv.index}", [{"role": "user", "content": conv.turns[0]}],
-                        w.name))  # fmt: skip
-    return out
-
-
-def replay_rows(recipe, limit: int = 5000) -> list[dict]:
-    """Rows of data.train_files (what the drafter learnt before) as `messages` rows."""
-    from data_pipelines.formats import FormatConfig, RowError, normalize
-    from data_pipelines.ingest import read_rows
-
-    d = recipe.data
-    cfg = FormatConfig(d.format, d.prompt_field, d.response_field, d.system_prompt)
-    rows: list[dict] = []
-    for path in d.train_files:
-        for raw in read_rows(path):
-            if raw.error is not None:
-                continue
-            try:
-                conv = normalize(raw.value, cfg)
-            except RowError:
-                continue
-            rows.append({"id": f"replay:{Path(path).name}:{raw.row}", "messages": conv.messages})
-            if len(rows) >= limit:
-                return rows
-    return rows
-
-
-def stop_token_ids(path: str, tokenizer) -> set[int]:
-    from types import SimpleNamespace
-
-    from transformers import AutoConfig, GenerationConfig
-
-    from specforge_dspark.decoding.hf_target import eos_token_ids
-
-    try:
-        gen = GenerationConfig.from_pretrained(path)
-    except OSError:
-        gen = None
-    model = SimpleNamespace(generation_config=gen, config=AutoConfig.from_pretrained(path))
-    return eos_token_ids(model, tokenizer)
 
 
 @dataclass
@@ -223,6 +179,56 @@ class Loop:
                                 f"v{served.version}", lp.max_new_tokens)  # fmt: skip
         self.log(f"loop: round {self.state['round']}: {counts['recorded']} requests recorded, "
                  f"{counts['already']} already journaled")  # fmt: skip
+        self._watch(rd)
+
+    def _watch(self, rd: Path) -> None:
+        """A promoted drafter's served accept length against its parent's, each on the
+        traffic it served (unpaired: different requests). A drop whose interval lies
+        wholly below -forget_margin is put to the engine: it decodes the held-out requests
+        the new version served with both drafters, and only if the parent is better there
+        (paired interval above 0) is the new version rolled back and the parent serves
+        again. rounds/<r>/watch.json says what was seen."""
+        path, serving = rd / "watch.json", self.lineage.serving()
+        if not path.is_file():
+            if serving["parent"] is None:
+                return  # the first version: nothing to compare with
+            rows = self.journal.rows()
+            now = [r for r in rows if r["drafter"] == f"v{serving['version']}"]
+            before = [r for r in rows if r["drafter"] == f"v{serving['parent']}"]
+            if not now or not before:
+                return
+            served = unpaired_difference(*([_units(r["served"]) for r in x] for x in (now, before)))
+            seen = {"version": serving["version"], "parent": serving["parent"],
+                    "served": served, "confirmed": None, "roll_back": False}  # fmt: skip
+            if served["ci"][1] < -self.recipe.loop.forget_margin:
+                held = [r for r in now if held_out(r["id"], self.recipe.loop.holdout_share)]
+                items = [(r["id"], r["messages"][:-1]) for r in held or now]
+                parent = self.start(serving["parent"])
+                try:
+                    figs = [self.decode(u, items) for u in (parent.url, self.ensure_serving().url)]
+                except BaseException:
+                    parent.proc.stop()
+                    raise
+                paired = paired_difference(*({k: _units(f) for k, f in d.items()} for d in figs))
+                seen.update(confirmed=paired, roll_back=paired["better"] == "a")
+                if seen["roll_back"]:
+                    self.candidate = parent  # up and judged: it takes the requests below
+                else:
+                    parent.proc.stop()
+            write_json(path, seen)
+        seen = json.loads(path.read_text())
+        if not seen["roll_back"]:
+            return
+        if self.lineage.versions[seen["version"]]["promoted"]:
+            d, ci = seen["confirmed"]["difference"], seen["confirmed"]["ci"]
+            self.lineage.roll_back(seen["version"], f"served regression: parent v"
+                                   f"{seen['parent']} better by {d:+.3f} {ci} paired")  # fmt: skip
+        parent, self.candidate = self.candidate, None
+        if parent is not None:
+            self.serve(parent)
+        self.ensure_serving()
+        self.log(f"loop: version {seen['version']} rolled back; version "
+                 f"{self.lineage.serving()['version']} serves again")  # fmt: skip
 
     def _mine(self, rd: Path) -> None:
         lp = self.recipe.loop
@@ -305,12 +311,8 @@ class Loop:
         self.candidate = cand
         differ = sorted(k for k in old if old[k]["tokens"] != new[k]["tokens"])
 
-        def units(figs: dict) -> dict:  # request -> (committed tokens, verify steps)
-            return {
-                k: (f["completion_tokens"] - 1, max(f["verify_ct"], 1)) for k, f in figs.items()
-            }
-
-        decision = gate(units(new), units(old), workload_of, self.recipe.loop.forget_margin)
+        decision = gate(*({k: _units(f) for k, f in d.items()} for d in (new, old)), workload_of,
+                        self.recipe.loop.forget_margin)  # fmt: skip
         if differ:
             decision.promote = False
             decision.why = (

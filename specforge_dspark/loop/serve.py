@@ -14,7 +14,12 @@ import json
 import urllib.request
 from collections.abc import Iterable
 
-from specforge_dspark.decoding.prompts import answer_text, render
+from specforge_dspark.decoding.prompts import (
+    answer_text,
+    load_conversations,
+    parse_workload,
+    render,
+)
 from specforge_dspark.engines.api_key import auth_headers
 from specforge_dspark.loop.records import Journal, record, served_figures
 
@@ -57,3 +62,32 @@ def record_traffic(
                      engine, workload)  # fmt: skip
         counts["recorded" if journal.append(row) else "already"] += 1
     return counts
+
+
+def traffic_requests(workloads: list[str], per_round: int, rnd: int) -> list[tuple]:
+    """Round `rnd`'s (request id, messages, workload): the next per_round / len(workloads)
+    first-turn prompts of each workload (ids `workload:index`, the same on every resume)."""
+    n = -(-per_round // len(workloads))
+    out = []
+    for spec in workloads:
+        w = parse_workload(spec)
+        for conv in load_conversations(w, (rnd + 1) * n)[rnd * n :]:
+            out.append((f"{w.name}:{conv.index}", [{"role": "user", "content": conv.turns[0]}],
+                        w.name))  # fmt: skip
+    return out
+
+
+def stop_token_ids(path: str, tokenizer) -> set[int]:
+    """The target's end-of-answer token ids (its generation config, else its tokenizer)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, GenerationConfig
+
+    from specforge_dspark.decoding.hf_target import eos_token_ids
+
+    try:
+        gen = GenerationConfig.from_pretrained(path)
+    except OSError:
+        gen = None
+    model = SimpleNamespace(generation_config=gen, config=AutoConfig.from_pretrained(path))
+    return eos_token_ids(model, tokenizer)
