@@ -28,7 +28,7 @@ from specforge_dspark.cli.parser import command_parser
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "docs" / "results"
 README = REPO / "README.md"
-PAGES = (README, REPO / "docs" / "loop.md")  # the pages with figures blocks
+PAGES = (README, REPO / "docs" / "loop.md", REPO / "docs" / "bakeoff.md")  # with figures blocks
 # results name -> (run directory, picture in the run, where the picture is published)
 PUBLISHED = {
     "demo": ("runs/demo", "summary.png", "docs/demo_summary.png"),
@@ -148,15 +148,67 @@ def render_bakeoff(res: dict) -> str:
         cost = [f"{k['flops_per_step'] / 1e6:.1f}", "-" if ms is None else f"{ms:.2f}"]
         row = " | ".join([label, *setting, *cells, *cost])
         lines.append(f"| {row} |")
-    pairs = [r for r in res.get("paired", []) if r["workload"] == "overall"]
-    if pairs:
-        said = [
-            f"{r['a']} - {r['b']} {r['difference']:+.3f} [{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}]"
-            + (f" ({r['better']} better)" if r["better"] else "")
-            for r in pairs
-        ]
-        lines += ["", "Paired on the same prompts, overall: " + "; ".join(said) + "."]
+    lines += _bakeoff_pairs(res, shown)
     return "\n".join(lines) + "\n"
+
+
+def _bakeoff_pairs(res: dict, shown: list[str]) -> list[str]:
+    """The paired comparisons that answer one question each: every two drafters that
+    differ in one setting (a block size, the selector, an objective), and the leader
+    (highest overall) against every other drafter."""
+    paired = {(r["a"], r["b"], r["workload"]): r for r in res.get("paired", [])}
+    if not paired:
+        return []
+
+    def pair(a: str, b: str, w: str) -> dict | None:
+        if (a, b, w) in paired:
+            return paired[a, b, w]
+        r = paired.get((b, a, w))
+        if r is None:
+            return None
+        return {**r, "difference": -r["difference"], "ci": [-r["ci"][1], -r["ci"][0]]}
+
+    settings, kinds = res.get("settings", {}), res["kinds"]
+    names = list(kinds)
+
+    def overall(n: str) -> float:
+        k = kinds[n]
+        return k["workloads"].get("overall", {}).get("accept_length", 0.0)
+
+    def differs(a: str, b: str) -> list[str]:
+        sa, sb = settings.get(a, {}), settings.get(b, {})
+        return [c for c in shown if str(sa.get(c)) != str(sb.get(c))]
+
+    leader = max((n for n in names if n != "ngram"), key=overall)
+    chosen = [(a, b) for i, a in enumerate(names) for b in names[i + 1 :]
+              if "ngram" not in (a, b) and len(differs(a, b)) == 1]  # fmt: skip
+    chosen += [(leader, b) for b in names if b != leader and (leader, b) not in chosen
+               and (b, leader) not in chosen]  # fmt: skip
+    workloads = [w for w in next(iter(kinds.values()))["workloads"] if w != "overall"]
+    label = {n: "n-gram" if n == "ngram" else n for n in names}
+    lines = [
+        "",
+        f"Paired on the same prompts: a - b overall with its 95% interval; better only where "
+        f"the interval excludes 0; the workloads where each side is better. Pairs: every two "
+        f"drafters that differ in one setting, and the leader ({label[leader]}) against "
+        "every other drafter.",
+        "",
+        "| a | b | differs in | a - b overall | better | workloads a better | workloads b better |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for a, b in chosen:
+        r = pair(a, b, "overall")
+        if r is None:
+            continue
+        per = {w: pair(a, b, w) for w in workloads}
+        wins = [[w for w, x in per.items() if x and x["better"] == side] for side in (a, b)]
+        what = ", ".join(differs(a, b)) or "-"
+        better = label[r["better"]] if r["better"] else "-"
+        interval = f"{r['difference']:+.3f} [{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}]"
+        won = [", ".join(x) or "-" for x in wins]
+        cells = [label[a], label[b], what, interval, better, *won]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def render_quality(res: dict) -> str:

@@ -149,8 +149,19 @@ def test_the_bakeoff_pairs_drafters_on_the_same_prompts(tmp_path):
     assert "| drafter | kind | block | l1_weight | gsm8k | MFLOP / step | ms / step |" in table
     assert "| dflash | dflash | 5 | 0.9 | 2.000 [1.90, 2.10] | 20.0 | - |" in table
     assert "| n-gram | n-gram | 16 | - |" in table and "slot_weighting" not in table
-    assert "dspark - dflash +1.000" in text and "(dspark better)" in text
-    assert "dflash - ngram" in text and "(dflash better)" not in text
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in table.splitlines()}
+    # the leader (dspark) against every other drafter; dflash and n-gram differ in more
+    # than one setting and neither leads: not shown
+    assert rows["dspark", "dflash"].startswith("| dspark | dflash | kind, block | +1.000 [")
+    assert rows["dspark", "dflash"].endswith("| dspark | gsm8k | - |")
+    assert ("dflash", "n-gram") not in rows and ("n-gram", "dflash") not in rows
+    res["settings"]["dflash"]["block"] = 16  # now dspark and dflash differ in kind alone
+    res["kinds"]["dflash"]["workloads"]["overall"] = {"accept_length": 9.0}  # and dflash leads
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line
+            for line in figures.render_bakeoff(res).splitlines()}  # fmt: skip
+    assert rows["dspark", "dflash"].startswith("| dspark | dflash | kind | +1.000 [")
+    assert rows["dflash", "n-gram"].split("|")[5].strip() == "-"  # its interval holds 0
+    assert ("dspark", "n-gram") not in rows
 
 
 def test_the_drift_table_renders_each_workload():
