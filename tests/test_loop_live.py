@@ -71,7 +71,7 @@ def loop_round(trained_export, tmp_path_factory):
     resumed = _run([*cmd[:5], "--stop-after", "train", *cmd[5:]])
     weights = loop_dir / "rounds" / "0" / "train" / "export" / "sglang" / "model.safetensors"
     gen = torch.Generator().manual_seed(0)
-    noisy = {k: torch.randn(v.shape, generator=gen) * v.float().std().clamp_min(1e-3)
+    noisy = {k: torch.randn(v.shape, generator=gen) * v.float().std(correction=0).clamp_min(1e-3)
              for k, v in load_file(weights).items()}  # fmt: skip
     save_file(noisy, weights, metadata={"format": "pt"})
     on = _run([*cmd[:5], "--rounds", "2", "--stop-after", "record", *cmd[5:]])
