@@ -118,6 +118,8 @@ def test_a_killed_round_resumes_and_every_request_is_recorded_and_trained_once(l
     assert set(g["serving_figures"]) == {*held, "guard:gsm8k:0", "guard:gsm8k:1"}
     assert g["answers_differ"] == 0  # both drafters: the target's own greedy answers
     assert g["overall"]["units"] == len(held) + 2 and len(g["overall"]["ci"]) == 2
+    p = g["positions"]  # per draft position, from the engine's histograms
+    assert len(p["serving"]) == len(p["candidate"]) >= 1 and 0 < p["serving"][0] <= 1
     summary = json.loads((rd / "round.json").read_text())
     assert set(summary["seconds"]) == {"record", "mine", "train", "gate", "swap"}
 

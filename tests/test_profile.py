@@ -30,3 +30,25 @@ def test_the_profile_counts_positions_as_defined(tmp_path):
     (tmp_path / PROFILE_FILE).write_text(json.dumps(back))
     with pytest.raises(ValueError, match="gsm8k: the histogram does not count its 5 steps"):
         read_profile(tmp_path)
+
+
+def test_positions_from_an_engines_histogram_match_the_steps():
+    """SGLang's spec_correct_drafts_histogram (steps by drafts accepted, as long as the most
+    any step accepted) gives the same per-position figures as the steps themselves; the
+    loop's gate pools it over requests and names the positions a candidate improves."""
+    from specforge_dspark.decoding.profile import acceptance_by_position
+    from specforge_dspark.loop.gate import positions
+
+    steps = _steps([0, 1, 3, 3, 2, 0, 3, 1])
+    got = acceptance_by_position([2, 2, 1, 3], 3)
+    want = profile_of(steps, 3)
+    assert got["marginal_acceptance"] == want["marginal_acceptance"]
+    assert got["conditional_acceptance"] == want["conditional_acceptance"]
+    assert acceptance_by_position([2, 2], 3)["marginal_acceptance"] == [0.5, 0.0, 0.0]
+
+    serving = {"a": {"accepted_hist": [3, 1]}, "b": {"accepted_hist": [2, 2]}}  # 8 steps
+    candidate = {"a": {"accepted_hist": [1, 1, 2]}, "b": {"accepted_hist": [4, 1, 0]}}
+    p = positions(serving, candidate)
+    assert p["serving"] == [3 / 8, 0.0] and p["candidate"] == [4 / 9, 2 / 9]
+    assert p["improved"] == [1, 2]
+    assert positions(candidate, serving)["improved"] == []

@@ -26,19 +26,31 @@ PROFILE_FILE = "speculation_profile.json"
 FORMAT = "specforge_dspark.speculation_profile/1"
 
 
-def profile_of(steps: list[Step], drafts: int) -> dict:
-    """The figures above for `steps` of a drafter drafting `drafts` tokens per step."""
-    n = len(steps)
-    reached = [sum(s.accepted >= k for s in steps) for k in range(drafts)]
-    passed = [sum(s.accepted > k for s in steps) for k in range(drafts)]
-    hist = [sum(s.committed == c + 1 for s in steps) for c in range(drafts + 1)]
+def acceptance_by_position(accepted_hist: list[int], drafts: int) -> dict:
+    """Marginal and conditional acceptance per draft position from a histogram of verify
+    steps by drafts accepted (`accepted_hist[j]`: steps that accepted j drafts, as SGLang's
+    `spec_correct_drafts_histogram`; shorter lists mean zeros beyond)."""
+    h = [*accepted_hist[: drafts + 1], *[0] * max(0, drafts + 1 - len(accepted_hist))]
+    n = sum(h)
+    reached = [sum(h[k:]) for k in range(drafts)]
+    passed = [sum(h[k + 1 :]) for k in range(drafts)]
     return {
-        "steps": n,
-        "accept_length": sum(s.committed for s in steps) / n if n else None,
         "marginal_acceptance": [p / n if n else None for p in passed],
         "conditional_acceptance": [
             p / r if r else None for p, r in zip(passed, reached, strict=True)
         ],
+    }
+
+
+def profile_of(steps: list[Step], drafts: int) -> dict:
+    """The figures above for `steps` of a drafter drafting `drafts` tokens per step."""
+    n = len(steps)
+    accepted = [sum(s.accepted == j for s in steps) for j in range(drafts + 1)]
+    hist = [sum(s.committed == c + 1 for s in steps) for c in range(drafts + 1)]
+    return {
+        "steps": n,
+        "accept_length": sum(s.committed for s in steps) / n if n else None,
+        **acceptance_by_position(accepted, drafts),
         "accept_length_histogram": hist,
     }
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from specforge_dspark.decoding.intervals import paired_difference
+from specforge_dspark.decoding.profile import acceptance_by_position
 
 
 @dataclass
@@ -50,6 +51,25 @@ def gate(
         said = ", ".join(f"{w} {d:+.3f}" for w, d in lost.items())
         return Decision(False, f"{gain}, but {said} (forget_margin {forget_margin})", overall, per)
     return Decision(True, f"{gain}; no workload loses more than {forget_margin}", overall, per)
+
+
+def positions(serving: dict, candidate: dict) -> dict:
+    """Per draft position, each drafter's marginal acceptance pooled over the gate's
+    requests (request -> the engine's figures with `accepted_hist`), up to the most drafts
+    any step accepted, and the positions (1-based) where the candidate's is higher."""
+    figs = [f for d in (serving, candidate) for f in d.values()]
+    drafts = max([len(f["accepted_hist"]) for f in figs] or [1]) - 1
+
+    def pooled(d: dict) -> list[float | None]:
+        total = [0] * (drafts + 1)
+        for f in d.values():
+            for j, count in enumerate(f["accepted_hist"]):
+                total[j] += count
+        return acceptance_by_position(total, drafts)["marginal_acceptance"]
+
+    s, c = pooled(serving), pooled(candidate)
+    improved = [k + 1 for k in range(drafts) if (c[k] or 0.0) > (s[k] or 0.0)]
+    return {"serving": s, "candidate": c, "improved": improved}
 
 
 class Lineage:

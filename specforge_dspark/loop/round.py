@@ -32,7 +32,7 @@ from specforge_dspark.decoding.prompts import load_conversations, parse_workload
 from specforge_dspark.engines.sglang import ServerProcess
 from specforge_dspark.engines.spec_server import free_port, start_spec_server
 from specforge_dspark.loop.front import Front
-from specforge_dspark.loop.gate import Lineage, gate
+from specforge_dspark.loop.gate import Lineage, gate, positions
 from specforge_dspark.loop.mine import held_out, mine, replay_rows
 from specforge_dspark.loop.records import Journal, served_figures
 from specforge_dspark.loop.serve import generate, record_traffic, stop_token_ids, traffic_requests
@@ -322,7 +322,7 @@ class Loop:
             "candidate": str(export), "serving_version": serving.version,
             "promote": decision.promote, "why": decision.why, "overall": decision.overall,
             "workloads": decision.workloads, "requests": len(items), "answers_differ": len(differ),
-            "serving_figures": old, "candidate_figures": new,
+            "serving_figures": old, "candidate_figures": new, "positions": positions(old, new),
         })  # fmt: skip
         self.log(f"loop: gate: {'PROMOTE' if decision.promote else 'keep serving'}: {decision.why}")
 
