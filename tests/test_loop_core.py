@@ -117,29 +117,16 @@ def test_the_loop_section_is_checked_naming_the_key(tmp_path):
         load_recipe(REPO / "recipes" / "tiny_cpu.yaml", ["loop.no_such=1"])
 
 
-def test_served_requests_are_recorded_once_with_the_engines_own_figures(tiny_target_dir, tmp_path):
-    """record_traffic against an HTTP endpoint speaking SGLang's /generate (canned
-    answers): the request carries the chat-rendered ids and the API key, the record the
-    decoded answer and the engine's meta_info figures; a resumed round sends nothing twice."""
+def _fake_generate(reply) -> tuple:
+    """(server, url): an HTTP server speaking SGLang's /generate on a free port, its JSON
+    answer `reply(path, headers, body)`."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    from transformers import AutoTokenizer
-
-    from specforge_dspark.decoding.prompts import render
-    from specforge_dspark.loop.serve import record_traffic
-
-    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
-    answer = tok.encode("Forty-two clips.", add_special_tokens=False)
-    seen = []
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            seen.append((self.path, self.headers.get("Authorization"), body))
-            out = {"output_ids": answer, "meta_info": {"completion_tokens": len(answer),
-                   "spec_verify_ct": 2, "spec_correct_drafts_histogram": [0, 1, 1]}}  # fmt: skip
-            data = json.dumps(out).encode()
+            data = json.dumps(reply(self.path, self.headers, body)).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -150,7 +137,28 @@ def test_served_requests_are_recorded_once_with_the_engines_own_figures(tiny_tar
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_served_requests_are_recorded_once_with_the_engines_own_figures(tiny_target_dir, tmp_path):
+    """record_traffic against an HTTP endpoint speaking SGLang's /generate (canned
+    answers): the request carries the chat-rendered ids and the API key, the record the
+    decoded answer and the engine's meta_info figures; a resumed round sends nothing twice."""
+    from transformers import AutoTokenizer
+
+    from specforge_dspark.decoding.prompts import render
+    from specforge_dspark.loop.serve import record_traffic
+
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    answer = tok.encode("Forty-two clips.", add_special_tokens=False)
+    seen = []
+
+    def reply(path: str, headers, body: dict) -> dict:
+        seen.append((path, headers.get("Authorization"), body))
+        return {"output_ids": answer, "meta_info": {"completion_tokens": len(answer),
+                "spec_verify_ct": 2, "spec_correct_drafts_histogram": [0, 1, 1]}}  # fmt: skip
+
+    server, url = _fake_generate(reply)
     requests = [(f"r{i}", [{"role": "user", "content": f"How many clips, {i}?"}], "gsm8k")
                 for i in range(3)]  # fmt: skip
     journal = Journal(tmp_path / "records.jsonl")
@@ -251,8 +259,6 @@ def _fake_engine(verify_of: dict[int, int], answer: list[int]):
     /generate with the same answer for every prompt and that version's verify steps (a
     prompt's length mod 3 added, so requests differ); `stopped` lists the versions
     whose server was stopped."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     from types import SimpleNamespace
 
     from specforge_dspark.loop.round import Served
@@ -260,30 +266,18 @@ def _fake_engine(verify_of: dict[int, int], answer: list[int]):
     stopped: list[int] = []
 
     def start(loop, version: int, export=None) -> Served:
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                verify = verify_of[version] + len(body["input_ids"]) % 3
-                data = json.dumps({"output_ids": answer, "meta_info": {
-                    "completion_tokens": len(answer), "spec_verify_ct": verify,
-                    "spec_correct_drafts_histogram": [verify]}}).encode()  # fmt: skip
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+        def reply(path: str, headers, body: dict) -> dict:
+            verify = verify_of[version] + len(body["input_ids"]) % 3
+            meta = {"completion_tokens": len(answer), "spec_verify_ct": verify}
+            return {"output_ids": answer, "meta_info": meta}
 
-            def log_message(self, *args):
-                pass
-
-        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        server, url = _fake_generate(reply)
 
         def stop() -> None:
             stopped.append(version)
             server.shutdown()
             server.server_close()
 
-        url = f"http://127.0.0.1:{server.server_address[1]}"
         return Served(version, SimpleNamespace(stop=stop), url)
 
     return start, stopped
