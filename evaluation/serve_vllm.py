@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -36,33 +35,12 @@ from specforge_dspark.decoding.hf_target import HFTarget
 from specforge_dspark.decoding.loading import DTYPES, check_pair, head_fns, load_drafter
 from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
 from specforge_dspark.decoding.spec_decode import Generation, speculative_generate
-from specforge_dspark.engines.launch import cli_flag
-from specforge_dspark.engines.vllm import CPU_SERVER_ARGS, VLLMServerProcess, healthy
-
-START_TIMEOUT_S = 600.0
-
-
-def vllm_args(
-    target: str, draft: str, port: int, dtype: str, num_spec: int, device: str
-) -> list[str]:
-    """vLLM server arguments that serve the speculators export `draft` for `target`."""
-    spec = {"model": str(draft), "num_speculative_tokens": num_spec}
-    args = [
-        "--model", str(target), "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
-        "--speculative-config", json.dumps(spec), "--no-enable-prefix-caching",
-        "--per-request-spec-decode-metrics", "detailed",
-    ]  # fmt: skip
-    for key, value in (CPU_SERVER_ARGS if device == "cpu" else {}).items():
-        args += cli_flag(key, value)
-    return args
-
-
-def speculative_tokens(draft: Path) -> int:
-    """G: what the export proposes per step (vLLM reads the same field)."""
-    config = json.loads((draft / "config.json").read_text())
-    if config.get("speculators_model_type") != "dspark":
-        raise ValueError(f"--draft: {draft} is not a speculators DSpark export")
-    return int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+from specforge_dspark.engines.vllm_spec_server import (
+    START_TIMEOUT_S,
+    speculative_tokens,
+    start_vllm_spec_server,
+    vllm_generate,
+)
 
 
 def check_same_weights(draft: Path, harness_draft: Path) -> None:
@@ -79,30 +57,6 @@ def check_same_weights(draft: Path, harness_draft: Path) -> None:
             f"({differ[:3] or sorted(theirs.keys() - ours.keys())[:3]}): export both from "
             "one checkpoint"
         )
-
-
-def generate(url: str, ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> tuple:
-    """(output token ids, vLLM's speculative-decoding figures for this request)."""
-    body = {
-        "prompt": ids,
-        "max_tokens": max_new_tokens,
-        "temperature": 0.0,
-        "stop_token_ids": sorted(stop_ids),
-        "return_token_ids": True,
-        "skip_special_tokens": False,
-    }
-    req = urllib.request.Request(
-        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=600) as r:
-        out = json.loads(r.read())
-    spec = (out.get("metrics") or {}).get("speculative_decoding")
-    if spec is None:
-        raise RuntimeError(
-            f"vLLM at {url} returned no metrics.speculative_decoding: it must run with "
-            "--per-request-spec-decode-metrics detailed (vLLM >= 0.32)"
-        )
-    return list(out["choices"][0]["token_ids"]), spec
 
 
 def harness_per_position(gen: Generation, num_spec: int) -> list[int]:
@@ -176,19 +130,11 @@ def serve_check_vllm(
     check_pair(drafter, hf)
     embed_fn, logits_fn = head_fns(load_frozen_head(target, device=device, dtype=DTYPES[dtype]))
 
-    url = f"http://127.0.0.1:{port}"
-    args = vllm_args(str(target), str(draft), port, dtype, num_spec, device)
     t0 = time.monotonic()
-    log_path, cpu = out / "vllm_server.log", device == "cpu"
-    server = VLLMServerProcess(python, args, log_path, cpu, "--vllm-python", triton_interpreter=cpu)
+    server, url = start_vllm_spec_server(target, draft, port, out / "vllm_server.log", device,
+                                         dtype, python, START_TIMEOUT_S)  # fmt: skip
     rows: list[dict] = []
     try:
-        while not healthy(url):
-            if server.exit_code() is not None:
-                raise RuntimeError(f"vLLM server exited; log tail:\n{server.tail(40)}")
-            if time.monotonic() - t0 > START_TIMEOUT_S:
-                raise TimeoutError(f"vLLM server at {url} not healthy in {START_TIMEOUT_S:g}s")
-            time.sleep(0.5)
         start_s = time.monotonic() - t0
         log(f"vLLM DSpark server ready in {start_s:.0f}s ({url})")
         vllm_s = harness_s = 0.0
@@ -204,7 +150,7 @@ def serve_check_vllm(
                         hf, drafter, ids, max_new_tokens, embed_fn, logits_fn
                     )
                     t2 = time.monotonic()
-                    tokens, spec = generate(url, ids, max_new_tokens, hf.eos_ids)
+                    tokens, spec = vllm_generate(url, ids, max_new_tokens, hf.eos_ids)
                     vllm_s += time.monotonic() - t2
                     harness_s += t2 - t1
                     where = f"workload {workload.name} prompt {conv.index} turn {turn + 1}"

@@ -115,6 +115,8 @@ def test_the_loop_section_is_checked_naming_the_key(tmp_path):
         load_recipe(REPO / "recipes" / "tiny_cpu.yaml", ["loop.replay_share=1.5"])
     with pytest.raises(RecipeError, match="loop.no_such"):
         load_recipe(REPO / "recipes" / "tiny_cpu.yaml", ["loop.no_such=1"])
+    with pytest.raises(RecipeError, match="loop.engine"):
+        load_recipe(REPO / "recipes" / "tiny_cpu.yaml", ["loop.engine=trt"])
 
 
 def _fake_generate(reply) -> tuple:
@@ -344,3 +346,37 @@ def test_a_served_regression_after_a_swap_is_confirmed_by_the_engine_and_rolled_
         assert not seen["roll_back"] and seen["confirmed"] is None, seen
         assert versions[1]["promoted"] and "rolled_back" not in versions[1]
         assert stopped == [1]  # only at close: no second server was started
+
+
+def test_a_vllm_loop_serves_the_speculators_layout_and_trains_it_too(
+    tiny_qwen3_dir, tmp_path, monkeypatch
+):
+    """loop.engine: vllm: a version's server gets the speculators export beside the sglang
+    one the lineage names, with vLLM's interpreter; a round's training exports both."""
+    from types import SimpleNamespace
+
+    from specforge_dspark.loop import serve
+    from specforge_dspark.loop.round import Loop
+
+    started = []
+
+    def start(target, export, port, log, device, dtype, python):
+        started.append((Path(export), python))
+        return SimpleNamespace(stop=lambda: None), f"http://127.0.0.1:{port}"
+
+    vllm = serve.ENGINES["vllm"]
+    fake = serve.Engine(start, vllm.ask, vllm.layout, vllm.python)
+    monkeypatch.setitem(serve.ENGINES, "vllm", fake)
+    base = tmp_path / "run" / "export" / "sglang"
+    base.mkdir(parents=True)
+    recipe = load_recipe(REPO / "recipes/tiny_cpu_sglang.yaml", [
+        f"target.path={tiny_qwen3_dir}", f"loop.dir={tmp_path / 'loop'}", f"loop.serve_from={base}",
+        "loop.engine=vllm", "target.vllm.python=/opt/vllm/bin/python",
+    ])  # fmt: skip
+    loop = Loop(recipe, log=lambda s: None)
+    served = loop.start(0)
+    assert started == [(base.parent / "speculators", "/opt/vllm/bin/python")]
+    assert served.version == 0 and served.url.startswith("http://127.0.0.1:")
+    cmd = loop.train_command(loop.round_dir())
+    assert "export.formats=[sglang,speculators]" in cmd and f"draft.init_from={base}" in cmd
+    loop.front.close()

@@ -141,3 +141,29 @@ def test_a_regressing_candidate_is_not_promoted_and_the_serving_drafter_serves_o
     records = [json.loads(line) for line in (loop_dir / "records.jsonl").read_text().splitlines()]
     round_1 = [r for r in records if int(r["id"].split(":")[1]) >= REQUESTS]
     assert len(round_1) == REQUESTS and {r["drafter"] for r in round_1} == {"v0"}
+
+
+@pytest.mark.slow
+def test_vllm_serves_the_loops_traffic_with_its_own_figures_and_sglangs_answers(
+    loop_round, trained_export, tmp_path
+):
+    """loop.engine: vllm: vLLM serves the same export (its speculators layout) and records
+    the first requests of the same traffic with vLLM's own per-request figures; every
+    answer equals the one SGLang served for that request (both the target's greedy)."""
+    from tests.live_vllm import VLLM_PYTHON
+
+    sglang_dir = loop_round[0]
+    cmd = _cmd(tmp_path / "loop", trained_export, tmp_path / "run", "--stop-after", "record")
+    n = 4
+    _run([*cmd, "loop.engine=vllm", f"loop.requests_per_round={n}",
+          f"target.vllm.python={VLLM_PYTHON}"])  # fmt: skip
+    rows = [
+        json.loads(line) for line in (tmp_path / "loop" / "records.jsonl").read_text().splitlines()
+    ]
+    served = {r["id"]: r for r in _round_0(sglang_dir)}
+    assert sorted(r["id"] for r in rows) == sorted(f"mt_bench:{i}" for i in range(n))
+    for r in rows:
+        s = r["served"]
+        assert r["engine"] == "vllm" and r["drafter"] == "v0"
+        assert s["verify_ct"] >= 1 and sum(s["accepted_hist"]) == s["verify_ct"], s
+        assert r["messages"] == served[r["id"]]["messages"], r["id"]  # the same answer

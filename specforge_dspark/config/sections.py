@@ -313,6 +313,10 @@ class LoopRecipe:
     both drafters, and none may lose more than forget_margin."""
     guard_prompts: int = 8
     """Prompts per guard workload at the gate."""
+    engine: Literal["sglang", "vllm"] = "sglang"
+    """The serving engine that answers the traffic and judges the gate (loop/serve.py
+    ENGINES): SGLang serves the export's sglang layout, vLLM its speculators layout
+    (DSpark), each request with the engine's own figures."""
 
 
 @dataclass

@@ -5,7 +5,8 @@ figures for that request, the drafter version that served it, the engine and the
 A record is a `messages`-format row of the data pipeline (data_pipelines.prepare reads it
 with `data.format: messages`; its `id` names the request), plus:
   served: {"completion_tokens", "verify_ct", "accepted_hist"}  (SGLang's meta_info:
-          completion_tokens, spec_verify_ct, spec_correct_drafts_histogram)
+          completion_tokens, spec_verify_ct, spec_correct_drafts_histogram; vLLM's
+          metrics.speculative_decoding: num_spec_steps, acceptance_histogram)
   drafter, engine, workload, time
 """
 
@@ -24,6 +25,16 @@ def served_figures(meta_info: dict[str, Any]) -> dict[str, Any]:
         "completion_tokens": int(meta_info["completion_tokens"]),
         "verify_ct": int(meta_info.get("spec_verify_ct", 0)),
         "accepted_hist": list(meta_info.get("spec_correct_drafts_histogram") or []),
+    }
+
+
+def vllm_served_figures(output_ids: list[int], spec: dict[str, Any]) -> dict[str, Any]:
+    """The same figures from vLLM's `metrics.speculative_decoding` of one response: its
+    verify steps and its histogram of steps by drafts accepted (SGLang's meaning)."""
+    return {
+        "completion_tokens": len(output_ids),
+        "verify_ct": int(spec["num_spec_steps"]),
+        "accepted_hist": list(spec["acceptance_histogram"]),
     }
 
 

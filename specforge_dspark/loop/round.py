@@ -30,12 +30,12 @@ from typing import Any
 from specforge_dspark.decoding.intervals import paired_difference, unpaired_difference
 from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
 from specforge_dspark.engines.sglang import ServerProcess
-from specforge_dspark.engines.spec_server import free_port, start_spec_server
+from specforge_dspark.engines.spec_server import free_port
 from specforge_dspark.loop.front import Front
 from specforge_dspark.loop.gate import Lineage, gate, positions
 from specforge_dspark.loop.mine import held_out, mine, replay_rows
-from specforge_dspark.loop.records import Journal, served_figures
-from specforge_dspark.loop.serve import generate, record_traffic, stop_token_ids, traffic_requests
+from specforge_dspark.loop.records import Journal
+from specforge_dspark.loop.serve import ENGINES, record_traffic, stop_token_ids, traffic_requests
 
 PHASES = ("record", "mine", "train", "gate", "swap")
 REPO = Path(__file__).resolve().parents[2]
@@ -110,13 +110,13 @@ class Loop:
     def start(self, version: int, export: str | Path | None = None) -> Served:
         """A server for `version` (its export, or `export` for a candidate not yet in the
         lineage); a reaper stops it if this process dies."""
-        export = export or self.lineage.versions[version]["export"]
-        t = self.recipe.target
+        export = Path(export or self.lineage.versions[version]["export"])
+        t, engine = self.recipe.target, ENGINES[self.recipe.loop.engine]
         port = free_port()
         log = self.root / "servers" / f"v{version}-{port}.log"
         t0 = time.monotonic()
-        proc, url = start_spec_server(t.path, export, port, log, t.device, t.dtype,
-                                      t.sglang.python)  # fmt: skip
+        served = export.parent / engine.layout  # the lineage names the sglang layout
+        proc, url = engine.start(t.path, served, port, log, t.device, t.dtype, engine.python(t))
         self.log(
             f"loop: version {version} serving at {url} ({time.monotonic() - t0:.0f}s to start)"
         )
@@ -176,7 +176,7 @@ class Loop:
         served = self.ensure_serving()
         reqs = traffic_requests(lp.traffic, lp.requests_per_round, self.state["round"])
         counts = record_traffic(self.front.url, self.tokenizer, self.stop_ids, reqs, self.journal,
-                                f"v{served.version}", lp.max_new_tokens)  # fmt: skip
+                                f"v{served.version}", lp.max_new_tokens, lp.engine)  # fmt: skip
         self.log(f"loop: round {self.state['round']}: {counts['recorded']} requests recorded, "
                  f"{counts['already']} already journaled")  # fmt: skip
         self._watch(rd)
@@ -252,6 +252,7 @@ class Loop:
     def train_command(self, rd: Path) -> list[str]:
         lp = self.recipe.loop
         serving = self.lineage.serving()["export"]
+        formats = sorted({"sglang", ENGINES[lp.engine].layout})  # the lineage names sglang's
         return [
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(self.nproc),
             "--master_port", str(free_port()), str(REPO / "train.py"),
@@ -260,7 +261,7 @@ class Loop:
             "train.epochs=100000",  # the step budget ends the round, not the mix's size
             f"draft.init_from={serving}", f"data.train_files=[{rd / 'mix.jsonl'}]",
             "data.format=messages", "data.eval_files=[]", "data.max_rows=0",
-            "train.eval_interval=0", "export.formats=[sglang]",
+            "train.eval_interval=0", f"export.formats=[{','.join(formats)}]",
         ]  # fmt: skip
 
     def _train(self, rd: Path) -> None:
@@ -275,10 +276,11 @@ class Loop:
 
     def decode(self, url: str, items: list[tuple[str, list[dict]]]) -> dict[str, dict]:
         out = {}
+        ask = ENGINES[self.recipe.loop.engine].ask
         for rid, messages in items:
-            got = generate(url, render(self.tokenizer, messages), self.recipe.loop.max_new_tokens,
-                           self.stop_ids)  # fmt: skip
-            out[rid] = {**served_figures(got["meta_info"]), "tokens": list(got["output_ids"])}
+            ids = render(self.tokenizer, messages)
+            tokens, figures = ask(url, ids, self.recipe.loop.max_new_tokens, self.stop_ids)
+            out[rid] = {**figures, "tokens": tokens}
         return out
 
     def gate_items(self) -> tuple[list[tuple[str, list[dict]]], dict[str, str]]:

@@ -3,16 +3,20 @@ traffic would reach it, and journal each request's prompt, the engine's answer a
 acceptance figures (records.py). The demo's and the tests' traffic source replays a
 workload's conversations; in production the same journal takes records from request logs.
 
-SGLang's native `/generate` takes the chat-rendered token ids and returns the answer's
-`output_ids` with `meta_info` (completion_tokens, spec_verify_ct,
-spec_correct_drafts_histogram): the engine's own figures for that one request.
+The engines (`ENGINES`, recipe key loop.engine) each take the chat-rendered token ids and
+return the answer's ids with their own figures for that one request: SGLang's native
+`/generate` in `meta_info` (completion_tokens, spec_verify_ct,
+spec_correct_drafts_histogram), vLLM's `/v1/completions` in `metrics.speculative_decoding`
+(with --per-request-spec-decode-metrics: num_spec_steps, acceptance_histogram).
 """
 
 from __future__ import annotations
 
 import json
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 from specforge_dspark.decoding.prompts import (
     answer_text,
@@ -21,7 +25,9 @@ from specforge_dspark.decoding.prompts import (
     render,
 )
 from specforge_dspark.engines.api_key import auth_headers
-from specforge_dspark.loop.records import Journal, record, served_figures
+from specforge_dspark.engines.spec_server import start_spec_server
+from specforge_dspark.engines.vllm_spec_server import start_vllm_spec_server, vllm_generate
+from specforge_dspark.loop.records import Journal, record, served_figures, vllm_served_figures
 
 
 def generate(url: str, ids: list[int], max_new_tokens: int, stop_ids: set[int],
@@ -38,6 +44,37 @@ def generate(url: str, ids: list[int], max_new_tokens: int, stop_ids: set[int],
         return json.loads(r.read())
 
 
+def ask_sglang(url: str, ids: list[int], max_new_tokens: int, stop_ids: set[int],
+               key: str | None = None) -> tuple[list[int], dict]:  # fmt: skip
+    """(answer token ids, SGLang's figures for the request)."""
+    out = generate(url, ids, max_new_tokens, stop_ids, key)
+    return list(out["output_ids"]), served_figures(out["meta_info"])
+
+
+def ask_vllm(url: str, ids: list[int], max_new_tokens: int, stop_ids: set[int],
+             key: str | None = None) -> tuple[list[int], dict]:  # fmt: skip
+    """(answer token ids, vLLM's figures for the request)."""
+    tokens, spec = vllm_generate(url, ids, max_new_tokens, stop_ids, key)
+    return tokens, vllm_served_figures(tokens, spec)
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A serving engine of the loop: how to start it on an export, which export layout it
+    serves, and how to ask it one request (answer ids and its own figures)."""
+
+    start: Callable[..., tuple]  # (target, export dir, port, log, device, dtype, python)
+    ask: Callable[..., tuple[list[int], dict]]
+    layout: str  # the export format it serves: export/<layout>/
+    python: Callable[[Any], str]  # its interpreter, from recipe.target
+
+
+ENGINES = {
+    "sglang": Engine(start_spec_server, ask_sglang, "sglang", lambda t: t.sglang.python),
+    "vllm": Engine(start_vllm_spec_server, ask_vllm, "speculators", lambda t: t.vllm.python),
+}
+
+
 def record_traffic(
     url: str,
     tokenizer,
@@ -50,16 +87,17 @@ def record_traffic(
     key: str | None = None,
 ) -> dict[str, int]:
     """Serve every (request id, messages ending with a user turn, workload) not journaled
-    yet and journal it; returns how many were recorded and how many were already there."""
+    yet through `engine` and journal it; returns how many were recorded and how many were
+    already there."""
     counts = {"recorded": 0, "already": 0}
     for request_id, messages, workload in requests:
         if request_id in journal.ids:  # a resumed round does not send it again
             counts["already"] += 1
             continue
-        out = generate(url, render(tokenizer, messages), max_new_tokens, stop_ids, key)
-        answer = answer_text(tokenizer, list(out["output_ids"]), stop_ids)
-        row = record(request_id, messages, answer, served_figures(out["meta_info"]), drafter,
-                     engine, workload)  # fmt: skip
+        ids = render(tokenizer, messages)
+        output_ids, figures = ENGINES[engine].ask(url, ids, max_new_tokens, stop_ids, key)
+        answer = answer_text(tokenizer, output_ids, stop_ids)
+        row = record(request_id, messages, answer, figures, drafter, engine, workload)
         counts["recorded" if journal.append(row) else "already"] += 1
     return counts
 

