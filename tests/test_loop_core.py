@@ -73,6 +73,22 @@ def test_the_mix_follows_the_shares_lowest_acceptance_first_and_uses_each_record
     assert report3["short_by"] == 30 - report3["mined"] > 0
 
 
+def test_the_report_gives_served_acceptance_per_draft_position_before_and_after_mining():
+    def row(i: int, hist: list[int]) -> dict:
+        committed = sum((j + 1) * n for j, n in enumerate(hist))
+        meta = {"completion_tokens": 1 + committed, "spec_verify_ct": sum(hist),
+                "spec_correct_drafts_histogram": hist}  # fmt: skip
+        return record(f"r{i}", [{"role": "user", "content": "q"}], "a", served_figures(meta),
+                      "v0", "sglang")  # fmt: skip
+
+    traffic = [row(0, [0, 0, 4]), row(1, [3, 1, 0]), row(2, [0, 2, 2])]
+    mix, report = mine(traffic, [], rows=1, replay_share=0, holdout_share=0, used=set(), seed=0)
+    assert [r["id"] for r in mix] == ["r1"]  # 1 token per step: the worst served
+    by = report["served_acceptance_by_position"]  # 12 steps: 3 accepted 0, 3 one, 6 two
+    assert by["all_new_traffic"] == pytest.approx([9 / 12, 6 / 12])
+    assert by["mined"] == pytest.approx([1 / 4, 0.0])
+
+
 def _units(rates: dict[str, float], n: int = 30, seed: int = 0) -> tuple[dict, dict]:
     """request -> (committed, verify steps) at a per-workload rate, with per-request noise."""
     rng = random.Random(seed)

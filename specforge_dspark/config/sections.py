@@ -302,6 +302,9 @@ class LoopRecipe:
     """Workloads replayed through the serving engine as the users' traffic (`gsm8k` or
     `name=path:field`, as evaluation's --workloads), split evenly; each round sends the
     next requests of each."""
+    request_logs: list[str] = field(default_factory=list)
+    """Gateway logs of the users' served chat completions (jsonl; loop/logs.py has the
+    format), journaled at each round's record phase, with or beside `traffic`."""
     requests_per_round: int = 48
     """Requests the engine serves (and the loop records) per round."""
     max_new_tokens: int = 96

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from specforge_dspark.decoding.intervals import paired_difference
-from specforge_dspark.decoding.profile import acceptance_by_position
+from specforge_dspark.loop.records import pooled_acceptance
 
 
 @dataclass
@@ -59,15 +59,7 @@ def positions(serving: dict, candidate: dict) -> dict:
     any step accepted, and the positions (1-based) where the candidate's is higher."""
     figs = [f for d in (serving, candidate) for f in d.values()]
     drafts = max([len(f["accepted_hist"]) for f in figs] or [1]) - 1
-
-    def pooled(d: dict) -> list[float | None]:
-        total = [0] * (drafts + 1)
-        for f in d.values():
-            for j, count in enumerate(f["accepted_hist"]):
-                total[j] += count
-        return acceptance_by_position(total, drafts)["marginal_acceptance"]
-
-    s, c = pooled(serving), pooled(candidate)
+    s, c = (pooled_acceptance(list(d.values()), drafts) for d in (serving, candidate))
     improved = [k + 1 for k in range(drafts) if (c[k] or 0.0) > (s[k] or 0.0)]
     return {"serving": s, "candidate": c, "improved": improved}
 

@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from specforge_dspark.loop.records import served_accept_length
+from specforge_dspark.loop.records import pooled_acceptance, served_accept_length
 
 
 def held_out(request_id: str, share: float) -> bool:
@@ -49,6 +49,7 @@ def mine(
     scored = [s for s in scored if s[0] is not None]
     scored.sort(key=lambda s: (s[0], s[1]))
     want = round(rows * (1 - replay_share))
+    drafts = max([len(s[2]["served"]["accepted_hist"]) for s in scored] or [1]) - 1
     picked = [r for _, _, r in scored[:want]]
     n_replay = min(len(replay), rows - want)
     replayed = random.Random(seed).sample(replay, n_replay)
@@ -61,6 +62,10 @@ def mine(
         "served_accept_length": {
             "all_new_traffic": quantiles([s[0] for s in scored]),
             "mined": quantiles([served_accept_length(r) for r in picked]),
+        },
+        "served_acceptance_by_position": {  # marginal, per draft position, pooled
+            "all_new_traffic": pooled_acceptance([s[2]["served"] for s in scored], drafts),
+            "mined": pooled_acceptance([r["served"] for r in picked], drafts),
         },
     }
     return picked + replayed, report

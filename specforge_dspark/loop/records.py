@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specforge_dspark.decoding.profile import acceptance_by_position
+
 
 def served_figures(meta_info: dict[str, Any]) -> dict[str, Any]:
     """The acceptance figures of one request from SGLang's `meta_info`."""
@@ -43,6 +45,16 @@ def served_accept_length(row: dict) -> float | None:
     pools it: (completion_tokens - 1) / verify_ct (the prefill makes the first token)."""
     s = row["served"]
     return (s["completion_tokens"] - 1) / s["verify_ct"] if s["verify_ct"] else None
+
+
+def pooled_acceptance(figures: list[dict[str, Any]], drafts: int) -> list[float | None]:
+    """Marginal acceptance per draft position of requests' served figures pooled: the
+    share of their verify steps that accepted at least k + 1 drafts (index k)."""
+    total = [0] * (drafts + 1)
+    for f in figures:
+        for j, count in enumerate(f["accepted_hist"][: drafts + 1]):
+            total[j] += count
+    return acceptance_by_position(total, drafts)["marginal_acceptance"]
 
 
 def record(

@@ -1,6 +1,7 @@
 """Rounds of the closed loop, every phase resumable (state.json names the phases done):
 
-  record  the serving engine answers this round's traffic; each request journaled once
+  record  the serving engine answers this round's traffic, and the gateway's logs of the
+          users' requests are read (logs.py); each request journaled once
   mine    the next mix: lowest served acceptance first, plus a replay share (mine.py)
   train   train.py from the serving drafter's weights on the mix, `steps_per_round` steps
   gate    the engine decodes the held-out requests (and the guard workloads) with the
@@ -33,6 +34,7 @@ from specforge_dspark.engines.sglang import ServerProcess
 from specforge_dspark.engines.spec_server import free_port
 from specforge_dspark.loop.front import Front
 from specforge_dspark.loop.gate import Lineage, gate, positions
+from specforge_dspark.loop.logs import ingest_logs
 from specforge_dspark.loop.mine import held_out, mine, replay_rows
 from specforge_dspark.loop.records import Journal
 from specforge_dspark.loop.serve import ENGINES, record_traffic, stop_token_ids, traffic_requests
@@ -170,15 +172,20 @@ class Loop:
         return summary
 
     def _record(self, rd: Path) -> None:
-        lp = self.recipe.loop
-        if not lp.traffic:
-            return  # records come from the engine's request logs (records.Journal)
-        served = self.ensure_serving()
-        reqs = traffic_requests(lp.traffic, lp.requests_per_round, self.state["round"])
-        counts = record_traffic(self.front.url, self.tokenizer, self.stop_ids, reqs, self.journal,
-                                f"v{served.version}", lp.max_new_tokens, lp.engine)  # fmt: skip
-        self.log(f"loop: round {self.state['round']}: {counts['recorded']} requests recorded, "
-                 f"{counts['already']} already journaled")  # fmt: skip
+        lp, rnd = self.recipe.loop, self.state["round"]
+        if lp.request_logs:
+            counts = ingest_logs(lp.request_logs, self.journal,
+                                 f"v{self.lineage.serving()['version']}")  # fmt: skip
+            self.log(f"loop: round {rnd}: {counts['recorded']} logged requests journaled, "
+                     f"{counts['already']} already journaled")  # fmt: skip
+        if lp.traffic:
+            served = self.ensure_serving()
+            reqs = traffic_requests(lp.traffic, lp.requests_per_round, rnd)
+            counts = record_traffic(self.front.url, self.tokenizer, self.stop_ids, reqs,
+                                    self.journal, f"v{served.version}", lp.max_new_tokens,
+                                    lp.engine)  # fmt: skip
+            self.log(f"loop: round {rnd}: {counts['recorded']} requests recorded, "
+                     f"{counts['already']} already journaled")  # fmt: skip
         self._watch(rd)
 
     def _watch(self, rd: Path) -> None:
