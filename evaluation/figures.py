@@ -245,16 +245,18 @@ def render_drift(res: dict) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     a, b, full = res["on_quant"]["a"], res["on_quant"]["b"], res["a_on_full"]
-    for w, t in res["targets"].items():
-        d = res["b_minus_a_on_quant"][w]
-        cells = [f"{t['top1_agreement']:.4f}", f"{t['kl_a_b']:.5f}"]
-        cells += [_cell(x["workloads"][w]["accept_length"], x["workloads"][w]["accept_length_ci"])
-                  for x in (a, b)]  # fmt: skip
-        cells.append(f"{d['difference']:+.3f} [{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}]")
-        cells.append(
-            _cell(full["workloads"][w]["accept_length"], full["workloads"][w]["accept_length_ci"])
+
+    def al(x: dict, w: str) -> str:  # a drafter's accept length on workload w, or overall
+        f = x if w == "overall" else x["workloads"][w]
+        return _cell(f["accept_length"], f["accept_length_ci"])
+
+    for w in [w for w in [*res["targets"], "overall"] if w in res["b_minus_a_on_quant"]]:
+        t, d = res["targets"].get(w), res["b_minus_a_on_quant"][w]
+        cells = [f"{t['top1_agreement']:.4f}", f"{t['kl_a_b']:.5f}"] if t else ["", ""]
+        diff = f"{d['difference']:+.3f} [{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}]"
+        lines.append(
+            f"| {w} | " + " | ".join([*cells, al(a, w), al(b, w), diff, al(full, w)]) + " |"
         )
-        lines.append(f"| {w} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

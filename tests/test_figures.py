@@ -164,23 +164,26 @@ def test_the_bakeoff_pairs_drafters_on_the_same_prompts(tmp_path):
     assert ("dspark", "n-gram") not in rows
 
 
-def test_the_drift_table_renders_each_workload():
+def test_the_drift_table_renders_each_workload_and_the_overall_pair():
     def brief(al):
-        return {
-            "workloads": {"gsm8k": {"accept_length": al, "accept_length_ci": [al - 0.2, al + 0.2]}}
-        }
+        cell = {"accept_length": al, "accept_length_ci": [al - 0.2, al + 0.2]}
+        return {"workloads": {"gsm8k": cell}, **cell}  # the one workload is the overall too
 
     res = {
         "quant": "nvfp4", "num_prompts": 10,
         "targets": {"gsm8k": {"top1_agreement": 0.95831, "kl_a_b": 0.003941, "tokens": 90}},
         "on_quant": {"a": brief(3.1), "b": brief(3.4)}, "a_on_full": brief(3.5),
-        "b_minus_a_on_quant": {"gsm8k": {"difference": 0.3, "ci": [0.1, 0.5]}},
+        "b_minus_a_on_quant": {"gsm8k": {"difference": 0.3, "ci": [0.1, 0.5]},
+                               "overall": {"difference": 0.3, "ci": [0.1, 0.5]}},
         "provenance": {"date": "2026-12-04", "commit": "abc1234", "machine": "2-core CPU",
                        "command": "python scripts/drift.py --nproc 2"},
     }  # fmt: skip
     row = next(x for x in figures.render_drift(res).splitlines() if x.startswith("| gsm8k"))
     assert row == ("| gsm8k | 0.9583 | 0.00394 | 3.100 [2.90, 3.30] | 3.400 [3.20, 3.60] "
                    "| +0.300 [+0.10, +0.50] | 3.500 [3.30, 3.70] |")  # fmt: skip
+    overall = figures.render_drift(res).splitlines()[-1]
+    assert overall == ("| overall |  |  | 3.100 [2.90, 3.30] | 3.400 [3.20, 3.60] "
+                       "| +0.300 [+0.10, +0.50] | 3.500 [3.30, 3.70] |")  # fmt: skip
 
 
 def test_the_loop_block_shows_each_drafter_paired_against_the_base(tmp_path):
