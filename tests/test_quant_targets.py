@@ -53,3 +53,33 @@ def test_a_quantized_copy_rounds_the_linear_weights_and_its_activations(
         a, b = (t.model(input_ids=ids).logits[0] for t in (plain, target))
     agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
     assert not torch.equal(a, b) and agree > 0.5, agree  # drifted, not destroyed
+
+
+def test_a_quantized_lm_head_is_the_head_training_reads(tiny_qwen3_dir, tmp_path):
+    """`head=True` (`--quant-head`): the LM head is rounded too and served with its input in
+    the format; training's frozen head reads the same weights and quantizes its input the
+    same way, so the teacher's logits are the served ones."""
+    from specforge_dspark.engines.quant_targets import load_causal_lm
+    from specforge_dspark.objective.frozen_head import FrozenHead, load_frozen_head
+
+    copy = write_quantized_copy(tiny_qwen3_dir, tmp_path / "q_head", "nvfp4", head=True)
+    assert "lm_head.weight" in json.loads((copy / "config.json").read_text())[MARKER]["weights"]
+    model = load_causal_lm(copy, torch_dtype=torch.float32)
+    ids = torch.tensor([[5, 17, 301, 42, 9, 77, 12, 600]])
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    head = load_frozen_head(copy)
+    assert head.head_format == "nvfp4"
+    served, h = out.logits[0], out.hidden_states[-1][0]  # the final norm's output
+    torch.testing.assert_close(head.teacher_logits(h), served, rtol=1e-5, atol=1e-5)
+    unquantized_input = FrozenHead(head.embed_weight, head.lm_head_weight, head.logical_vocab)
+    assert (unquantized_input.teacher_logits(h) - served).abs().max() > 1e-3  # it matters
+
+    body_only = write_quantized_copy(tiny_qwen3_dir, tmp_path / "q", "nvfp4")
+    assert load_frozen_head(body_only).head_format is None  # the default leaves the head
+    tied = tmp_path / "tied"
+    tied.mkdir()
+    (tied / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    (tied / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="tie_word_embeddings: its LM head is the embedding"):
+        write_quantized_copy(tied, tmp_path / "tied_q", "nvfp4", head=True)

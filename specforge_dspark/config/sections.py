@@ -316,6 +316,10 @@ class LoopRecipe:
     both drafters, and none may lose more than forget_margin."""
     guard_prompts: int = 8
     """Prompts per guard workload at the gate."""
+    replicas: int = 1
+    """Servers of the serving drafter behind the loop's one address (loop/front.py: each
+    request to the least busy); a promotion or a rollback replaces them one at a time, each
+    old server stopped once it has nothing in flight (one replica: blue/green)."""
     engine: Literal["sglang", "vllm"] = "sglang"
     """The serving engine that answers the traffic and judges the gate (loop/serve.py
     ENGINES): SGLang serves the export's sglang layout, vLLM its speculators layout

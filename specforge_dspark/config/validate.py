@@ -195,7 +195,8 @@ def validate(r: Recipe) -> list[str]:
     need(0 <= lp.replay_share <= 1, f"loop.replay_share must be in [0, 1], got {lp.replay_share}")
     need(0 <= lp.holdout_share < 1, f"loop.holdout_share must be in [0, 1), got {lp.holdout_share}")
     need(lp.forget_margin >= 0, f"loop.forget_margin must be >= 0, got {lp.forget_margin}")
-    for key in ("requests_per_round", "max_new_tokens", "steps_per_round", "guard_prompts"):
+    for key in ("requests_per_round", "max_new_tokens", "steps_per_round", "guard_prompts",
+                "replicas"):  # fmt: skip
         need(getattr(lp, key) >= 1, f"loop.{key} must be >= 1, got {getattr(lp, key)}")
     return e
 

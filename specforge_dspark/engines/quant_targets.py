@@ -3,7 +3,9 @@
 
 `write_quantized_copy` rounds the weights of the decoder's linear layers through the format
 (the embedding, the LM head, norms and any weight whose input dimension is not whole NVFP4
-blocks stay as they are, as Model Optimizer leaves them) and names the format in
+blocks stay as they are, as Model Optimizer leaves them; `head=True` rounds the LM head
+too, and training's teacher then reads the served head: objective/frozen_head.py) and
+names the format in
 config.json (`quantization_emulation`). `apply_emulation`, applied by `load_causal_lm`
 wherever our code loads a target with transformers (the hf backend, the evaluation
 harness, its batched references, regeneration), puts those layers'
@@ -24,7 +26,8 @@ from specforge_dspark.engines.quant_formats import NVFP4_BLOCK, fp8_round_trip, 
 
 MARKER = "quantization_emulation"
 FORMATS = ("nvfp4", "fp8")
-_KEEP = ("embed", "lm_head", "norm", "unembed")  # names of weights never quantized
+_KEEP = ("embed", "norm")  # names of weights never quantized
+_HEAD = ("lm_head", "unembed")  # the LM head: quantized only when asked (`head=True`)
 
 
 def _round_trip(fmt: str, x: torch.Tensor, per_row: bool = False) -> torch.Tensor:
@@ -35,15 +38,25 @@ def _round_trip(fmt: str, x: torch.Tensor, per_row: bool = False) -> torch.Tenso
     return fp8_round_trip(x, per_row=True)
 
 
-def _quantizable(name: str, t: torch.Tensor, fmt: str) -> bool:
+def activation_round_trip(fmt: str, x: torch.Tensor) -> torch.Tensor:
+    """A quantized layer's input as the served kernel sees it: each token row through the
+    format, in x's dtype."""
+    return _round_trip(fmt, x, per_row=True).to(x.dtype)
+
+
+def _quantizable(name: str, t: torch.Tensor, fmt: str, head: bool) -> bool:
     if not name.endswith(".weight") or t.dim() != 2 or any(k in name for k in _KEEP):
+        return False
+    if any(k in name for k in _HEAD) and not head:
         return False
     return fmt != "nvfp4" or t.shape[1] % NVFP4_BLOCK == 0
 
 
-def write_quantized_copy(src: str | Path, out: str | Path, fmt: str) -> Path:
+def write_quantized_copy(src: str | Path, out: str | Path, fmt: str, head: bool = False) -> Path:
     """`src` (a transformers checkpoint, one model.safetensors) copied to `out` with its
-    decoder's linear weights through `fmt`; returns `out`."""
+    decoder's linear weights through `fmt`, and its LM head too with `head` (where the
+    deployment serves a quantized head; a tied head, the embedding, is refused); returns
+    `out`."""
     from safetensors.torch import load_file, save_file
 
     if fmt not in FORMATS:
@@ -55,8 +68,11 @@ def write_quantized_copy(src: str | Path, out: str | Path, fmt: str) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(src, tmp)
+    if head and json.loads((src / "config.json").read_text()).get("tie_word_embeddings"):
+        raise ValueError(f"{src}: tie_word_embeddings: its LM head is the embedding; a "
+                         "quantized head would quantize the embedding too")  # fmt: skip
     state = load_file(weights)
-    done = sorted(n for n, t in state.items() if _quantizable(n, t, fmt))
+    done = sorted(n for n, t in state.items() if _quantizable(n, t, fmt, head))
     for n in done:
         state[n] = _round_trip(fmt, state[n]).to(state[n].dtype)
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
@@ -84,7 +100,7 @@ def apply_emulation(model: torch.nn.Module, path: str | Path) -> list[str]:
         module = modules.get(name) or modules.get(name.removeprefix("model."))
         if isinstance(module, torch.nn.Linear):
             module.register_forward_pre_hook(
-                lambda _m, args, fmt=fmt: (_round_trip(fmt, args[0], True).to(args[0].dtype),)
+                lambda _m, args, fmt=fmt: (activation_round_trip(fmt, args[0]),)
             )
             hooked.append(name)
     return hooked

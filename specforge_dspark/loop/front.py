@@ -1,7 +1,8 @@
-"""One stable address in front of the serving drafter's server, so that a swap drops no
-request: every request is forwarded to the current backend; `switch(url)` sends the next
-requests to `url` and returns once the old backend has none in flight, and only then is
-the old server stopped (loop/round.py). Requests and their answers pass through unchanged
+"""One stable address in front of the serving drafter's servers (a pool of one or more
+replicas), so that a swap drops no request: every request is forwarded to the member with
+the fewest in flight; `replace(old, new)` puts `new` in `old`'s place and returns once
+`old` has none in flight, and only then is the old server stopped (loop/round.py: one
+member at a time, a rolling restart). Requests and their answers pass through unchanged
 (the API key header included)."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "host", "content
 
 class Front:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 600.0):
-        self.backend: str | None = None
+        self.backends: list[str] = []
         self.timeout_s = timeout_s
         self.inflight: Counter[str] = Counter()
         self.counts = {"forwarded": 0, "failed": 0}
@@ -33,15 +34,30 @@ class Front:
         return f"http://{host}:{port}"
 
     def switch(self, backend: str, drain_timeout_s: float = 600.0) -> None:
-        """New requests go to `backend`; returns when the old one has none in flight."""
+        """New requests go to `backend` alone; returns when the others have none in flight."""
         with self.cond:
-            old, self.backend = self.backend, backend
-            if old is not None and old != backend:
-                if not self.cond.wait_for(lambda: self.inflight[old] == 0, drain_timeout_s):
-                    raise TimeoutError(
-                        f"front: {self.inflight[old]} requests still in flight at {old} "
-                        f"after {drain_timeout_s:g}s"
-                    )
+            old, self.backends = self.backends, [backend]
+            self._drain([b for b in old if b != backend], drain_timeout_s)
+
+    def add(self, backend: str) -> None:
+        """`backend` joins the pool."""
+        with self.cond:
+            if backend not in self.backends:
+                self.backends.append(backend)
+
+    def replace(self, old: str, new: str, drain_timeout_s: float = 600.0) -> None:
+        """`new` takes `old`'s place in the pool; returns when `old` has none in flight."""
+        with self.cond:
+            if old not in self.backends:
+                raise ValueError(f"front: {old} is not in the pool {self.backends}")
+            self.backends = [new if b == old else b for b in self.backends]
+            self._drain([old], drain_timeout_s)
+
+    def _drain(self, olds: list[str], timeout_s: float) -> None:
+        """Wait (holding self.cond) until none of `olds` has a request in flight."""
+        if not self.cond.wait_for(lambda: all(self.inflight[o] == 0 for o in olds), timeout_s):
+            busy = {o: self.inflight[o] for o in olds if self.inflight[o]}
+            raise TimeoutError(f"front: requests still in flight at {busy} after {timeout_s:g}s")
 
     def close(self) -> None:
         self.server.shutdown()
@@ -49,9 +65,9 @@ class Front:
 
     def _forward(self, method: str, path: str, headers: dict, body: bytes | None):
         with self.cond:
-            backend = self.backend
-            if backend is None:
+            if not self.backends:
                 return 503, {}, b"front: no serving backend yet"
+            backend = min(self.backends, key=lambda b: self.inflight[b])  # the least busy
             self.inflight[backend] += 1
         try:
             req = urllib.request.Request(backend + path, body, headers, method=method)

@@ -8,10 +8,11 @@
           serving drafter and with the candidate: promoted only on a paired gain, with
           every answer equal on both (lossless) and no workload losing more than the
           margin (gate.py)
-  swap    the candidate's server, already up and judged, takes the requests of the
-          loop's stable address (front.py) and the old one stops once it has none in
-          flight (blue/green: no request dropped); a refused candidate's server stops and
-          the serving drafter keeps serving
+  swap    the candidate's server, already up and judged, takes an old server's place
+          behind the loop's stable address (front.py), the old one stopping once it has
+          none in flight, then the other `replicas` one at a time (a rolling restart: no
+          request dropped); a refused candidate's server stops and the serving drafter
+          keeps serving
 
 Under loop.dir: records.jsonl, lineage.json, state.json, servers/*.log and
 rounds/<r>/{mix.jsonl, mine.json, train/, gate.json, round.json}."""
@@ -92,7 +93,7 @@ class Loop:
             "round": 0, "done": [], "used": []}  # fmt: skip
         self.tokenizer = AutoTokenizer.from_pretrained(t.path)
         self.stop_ids = stop_token_ids(t.path, self.tokenizer)
-        self.serving: Served | None = None
+        self.pool: list[Served] = []  # the serving version's replicas behind the front
         self.front = Front()  # the serving address users keep through swaps (front.py)
         self.candidate: Served | None = None  # judged by the gate, served or stopped by the swap
 
@@ -126,21 +127,29 @@ class Loop:
 
     def ensure_serving(self) -> Served:
         version = self.lineage.serving()["version"]
-        if self.serving is None or self.serving.version != version:
+        if not self.pool or self.pool[0].version != version:
             self.serve(self.start(version))
-        return self.serving
+        return self.pool[0]
 
     def serve(self, new: Served) -> None:
-        """`new` takes the front's requests; the old server stops once it has none left."""
-        self.front.switch(new.url)
-        old, self.serving = self.serving, new
-        if old is not None:
-            old.proc.stop()
+        """`new` and `loop.replicas` - 1 more servers of its version take the front's
+        requests one member at a time (a rolling restart): each old member stops once it
+        has none in flight, and the pool never has fewer members than before."""
+        old, members = self.pool, []
+        for i in range(self.recipe.loop.replicas):
+            member = new if i == 0 else self.start(new.version)
+            members.append(member)
+            if i < len(old):
+                self.front.replace(old[i].url, member.url)
+                old[i].proc.stop()
+            else:
+                self.front.add(member.url)
+            self.pool = members + old[i + 1 :]
 
     def close(self) -> None:
-        if self.serving is not None:
-            self.serving.proc.stop()
-            self.serving = None
+        for member in self.pool:
+            member.proc.stop()
+        self.pool = []
         self.front.close()
 
     # -- one round ----------------------------------------------------------------

@@ -73,8 +73,12 @@ class FrozenHead(nn.Module):
         logical_vocab: int,
         mup_multiplier: float = 1.0,
         logit_softcap: float | None = None,
+        head_format: str | None = None,
     ) -> None:
         super().__init__()
+        # A served head in a quantized format (engines/quant_targets.py): its input goes
+        # through the format per token row, as the engine's kernel quantizes activations.
+        self.head_format = head_format
         # Buffers, not parameters: never in an optimizer, never in a checkpoint.
         self.register_buffer("embed_weight", embed_VH, persistent=False)
         self.register_buffer("lm_head_weight", lm_head_VH, persistent=False)
@@ -109,7 +113,12 @@ class FrozenHead(nn.Module):
         """`h / mup` (in h's dtype, as SGLang divides the hidden) in the head's dtype."""
         if self.mup_multiplier != 1.0:
             h = h / self.mup_multiplier
-        return h.to(self.lm_head_weight.dtype)
+        h = h.to(self.lm_head_weight.dtype)
+        if self.head_format is not None:
+            from specforge_dspark.engines.quant_targets import activation_round_trip
+
+            h = activation_round_trip(self.head_format, h)
+        return h
 
 
 def _float32_out_linear(x: torch.Tensor, w_VH: torch.Tensor) -> torch.Tensor:
@@ -154,7 +163,17 @@ def load_frozen_head(
         logical_vocab(root, config, head.shape[0]),
         mup_multiplier(root),
         config_value(config, "final_logit_softcapping"),
+        _head_format(config, head_name),
     )
+
+
+def _head_format(config: dict[str, Any], head_name: str | None) -> str | None:
+    """The format of a quantized copy's LM head (engines/quant_targets.py), if it is one."""
+    from specforge_dspark.engines.quant_targets import MARKER
+
+    spec = config.get(MARKER) or {}
+    quantized = head_name is not None and head_name in spec.get("weights", ())
+    return spec["format"] if quantized and spec.get("activations") else None
 
 
 def mup_multiplier(target_path: str | Path) -> float:

@@ -35,10 +35,18 @@ def main(argv: list[str] | None = None) -> int:
         help="also write <out>_<format>: a copy with the decoder's linear layers in this "
         "format, served by the hf backend with the format's arithmetic",
     )
+    ap.add_argument(
+        "--quant-head",
+        action="store_true",
+        help="with --quant: the LM head in the format too (a deployment that quantizes it)",
+    )
     a = ap.parse_args(argv)
+    if a.quant_head and not a.quant:
+        ap.error("--quant-head needs --quant")
     build(a.out, a.vocab, a.arch, a.hidden, a.layers, a.pretrain_steps, a.seed, a.force)
     if a.quant:
-        copy = write_quantized_copy(a.out, a.out.with_name(f"{a.out.name}_{a.quant}"), a.quant)
+        name = f"{a.out.name}_{a.quant}{'_head' if a.quant_head else ''}"
+        copy = write_quantized_copy(a.out, a.out.with_name(name), a.quant, a.quant_head)
         print(f"tiny target: {a.quant} copy written to {copy}")
     return 0
 
