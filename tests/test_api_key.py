@@ -55,17 +55,19 @@ def test_requests_carry_the_key_and_a_server_refuses_those_without(
 def test_a_started_server_gets_the_key_on_no_command_line_and_in_no_log(tmp_path):
     """Launched as the sglang backend launches SGLang (keyed_launch, the key in the
     environment): the stand-in logs its arguments as SGLang does, the key among them."""
-    key, port = started_key(recipe_from_dict({}).target.sglang, "sglang"), free_port()
+    section = recipe_from_dict({}).target.sglang
+    key, port = started_key(section, "sglang"), free_port()
     log = tmp_path / "server.log"
     env = {**os.environ, KEY_ENV: key}
     args = ["tests.standin_server", "--port", str(port), "--children", "0"]
     srv = EngineServer(sys.executable, KEYED_LAUNCH, args, log, env, api_key=key)
     try:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(200):
-            if http_ok(f"{url}/health") or srv.exit_code() is not None:
-                break
+        t0 = time.monotonic()  # up, or exited, or past the recipe's own start-up bound
+        while not http_ok(f"{url}/health") and srv.exit_code() is None:
+            assert time.monotonic() - t0 < section.startup_timeout_s, "stand-in never came up"
             time.sleep(0.05)
+        assert srv.exit_code() is None, log.read_text()[-2000:]
         assert http_ok(f"{url}/server_info", key)
         assert not http_ok(f"{url}/server_info") and not http_ok(f"{url}/server_info", "x")
         assert http_ok(f"{url}/health")  # health paths answer without it, as SGLang's do

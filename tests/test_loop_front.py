@@ -34,11 +34,12 @@ def _backend(name: str, seen: dict) -> tuple[ThreadingHTTPServer, str]:
             t0 = time.monotonic()
             time.sleep(0.05)
             data = json.dumps({"by": name, "echo": json.loads(body)}).encode()
+            # recorded before the answer leaves: the front sees the request end after this
+            seen[name].append((t0, time.monotonic()))
             self.send_response(200)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
-            seen[name].append((t0, time.monotonic()))
 
         def log_message(self, *args):
             pass
