@@ -9,7 +9,6 @@ import json
 import threading
 import time
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,36 +16,24 @@ import pytest
 
 from specforge_dspark.config.recipe import load_recipe
 from specforge_dspark.loop.front import Front
+from tests.test_loop_core import _fake_generate
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _backend(name: str, seen: dict) -> tuple[ThreadingHTTPServer, str]:
-    """A server answering each POST after 50 ms (so some are in flight at a swap) with its
-    name; `seen[name]` gets each request's (start, end)."""
+def _backend(name: str, seen: dict) -> tuple:
+    """(server, url): answers each POST after 50 ms (so some are in flight at a swap) with
+    its name; `seen[name]` gets each request's (start, end), the end recorded before the
+    answer leaves (the front sees the request end after it)."""
     seen[name] = []
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    def reply(path: str, headers, body: dict) -> dict:
+        t0 = time.monotonic()
+        time.sleep(0.05)
+        seen[name].append((t0, time.monotonic()))
+        return {"by": name, "echo": body}
 
-        def do_POST(self):  # noqa: N802
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            t0 = time.monotonic()
-            time.sleep(0.05)
-            data = json.dumps({"by": name, "echo": json.loads(body)}).encode()
-            # recorded before the answer leaves: the front sees the request end after this
-            seen[name].append((t0, time.monotonic()))
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}"
+    return _fake_generate(reply)
 
 
 class _Stream:
