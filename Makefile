@@ -16,6 +16,8 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 SGLANG_VENV := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SF_VENV := .venv-specforge
+SF_STAMP := $(SF_VENV)/.installed
 # The three venvs each install this package editable, and each install rewrites the
 # in-tree egg-info: one at a time.
 EDITABLE_LOCK := flock pyproject.toml
@@ -37,7 +39,7 @@ export VLLM_NO_USAGE_STATS := 1
 export PYTHONUNBUFFERED := 1
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup deepspeed-ops mooncake-libs vllm-venv sglang-venv demo quality bakeoff loop drift test test-quick lint format bench tiny-target tiny-targets clean clean-runs
+.PHONY: setup deepspeed-ops mooncake-libs vllm-venv sglang-venv specforge-venv demo quality bakeoff loop drift incumbent test test-quick lint format bench tiny-target tiny-targets clean clean-runs
 
 setup: $(STAMP)
 
@@ -139,6 +141,28 @@ loop: setup tiny-targets sglang-venv
 # (runs/drift/summary.json); needs `make demo`'s run. About 10 minutes.
 drift: setup tiny-target
 	$(PY) scripts/drift.py --nproc $(NPROC)
+
+# SpecForge 0.2.0, the incumbent trainer, in a venv of its own for `make incumbent` (not for
+# the tests): torch pinned first, specforge with --no-deps, then only what its offline DSpark
+# training imports (requirements-specforge.txt).
+specforge-venv: $(SF_STAMP)
+
+$(SF_STAMP): requirements-specforge.txt
+	test -x $(SF_VENV)/bin/python || $(PYTHON) -m venv $(SF_VENV)
+	$(RETRY) $(SF_VENV)/bin/python -m pip install -q --no-compile torch==2.13.0
+	$(RETRY) $(SF_VENV)/bin/python -m pip install -q --no-compile --no-deps specforge==0.2.0
+	$(RETRY) $(SF_VENV)/bin/python -m pip install -q --no-compile -r requirements-specforge.txt
+	touch $@
+
+# Ours against SpecForge's trainer at equal steps: SpecForge, ours before the comparison
+# (base) and ours with its defaults train the demo's drafter on the demo's on-policy rows
+# (1500 steps x 2 ranks), 3 seeds each; every export decodes the demo's four workloads;
+# paired intervals pooled over seeds; each of the demo's extras timed alone
+# (runs/incumbent/summary.json; publish with `python -m evaluation.figures publish
+# incumbent`; the ladder of changes between base and the defaults: see docs/incumbent.md).
+# About 50 minutes.
+incumbent: setup tiny-target specforge-venv
+	$(PY) scripts/incumbent.py --nproc $(NPROC) --timing
 
 # The whole suite (live CPU SGLang and vLLM servers, each in its own venv, and fault drills
 # included); the slowest 40 tests are printed so that the suite's cost stays visible. The

@@ -75,6 +75,30 @@ def prompt_mix(out: Path, mix: tuple = PROMPT_MIX) -> Path:
     return out
 
 
+def on_policy_data(recipe_path: str, base, out: Path, rows: int, batch: int,
+                   max_new_tokens: int) -> list[str]:  # fmt: skip
+    """The target answers PROMPT_MIX's first `rows` prompts and EVAL_REGEN_ROWS GSM8K test
+    prompts (out/data/, regenerated only where missing rows); the recipe overrides that
+    train on them (`base`: the recipe loaded from `recipe_path`)."""
+    regen = out / "data" / "mix_regenerated.jsonl"
+    regen_eval = out / "data" / "gsm8k_test_regenerated.jsonl"  # teacher-forced eval rows
+    mix = prompt_mix(out / "data" / "prompt_mix.jsonl")
+    for src, fmt, dst, n in (
+        ([str(mix)], "messages", regen, rows),
+        (base.data.eval_files, base.data.format, regen_eval, EVAL_REGEN_ROWS),
+    ):
+        cmd = [
+            sys.executable, "-m", "data_pipelines.regenerate", "--recipe", recipe_path,
+            "--input", *src, "--format", fmt, "--out", str(dst), "--backend", "hf",
+            "--batch-size", str(batch), "--max-new-tokens", str(max_new_tokens),
+            "--max-rows", str(n), "--quiet",
+        ]  # fmt: skip
+        print(" ".join(cmd[2:]), flush=True)
+        subprocess.run(cmd, check=True)
+    return [f"data.train_files=[{regen}]", f"data.eval_files=[{regen_eval}]",
+            "data.format=messages", f"data.max_rows={rows}"]  # fmt: skip
+
+
 def _evaluate_part(workloads: tuple[str, ...], drafts: dict, kw: dict, part: int) -> dict:
     """One evaluation process: every drafter of `drafts` (name -> exported directory, or
     ("ngram", block size)) on `workloads`, sharing the greedy references."""
@@ -279,37 +303,16 @@ def main(argv: list[str] | None = None) -> int:
 
     step("2/4 on-policy data: the target answers the training prompts")
     t = time.time()
-    regen = out / "data" / "mix_regenerated.jsonl"
-    regen_eval = out / "data" / "gsm8k_test_regenerated.jsonl"  # teacher-forced eval rows
-    mix = prompt_mix(out / "data" / "prompt_mix.jsonl")
-    for src, fmt, dst, rows in (
-        ([str(mix)], "messages", regen, a.regen_rows),
-        (base.data.eval_files, base.data.format, regen_eval, EVAL_REGEN_ROWS),
-    ):
-        cmd = [
-            sys.executable, "-m", "data_pipelines.regenerate", "--recipe", a.recipe,
-            "--input", *src, "--format", fmt, "--out", str(dst), "--backend", "hf",
-            "--batch-size", str(a.regen_batch), "--max-new-tokens", str(a.regen_max_new_tokens),
-            "--max-rows", str(rows), "--quiet",
-        ]  # fmt: skip
-        print(" ".join(cmd[2:]), flush=True)
-        subprocess.run(cmd, check=True)
+    overrides = on_policy_data(a.recipe, base, out, a.regen_rows, a.regen_batch,
+                               a.regen_max_new_tokens)  # fmt: skip
+    overrides = [f"train.output_dir={a.out}", *overrides, *TRAIN_EXTRAS, *a.overrides]
     split["regeneration"] = time.time() - t
-    overrides = [
-        f"train.output_dir={a.out}",
-        f"data.train_files=[{regen}]",
-        f"data.eval_files=[{regen_eval}]",
-        "data.format=messages",
-        f"data.max_rows={a.regen_rows}",
-        *TRAIN_EXTRAS,
-        *a.overrides,
-    ]
     recipe = load_recipe(a.recipe, overrides)
 
     from data_pipelines.prepare import prepare_dataset
 
     ds = prepare_dataset(recipe, split="train")
-    print(f"{len(ds)} prepared rows from {regen}")
+    print(f"{len(ds)} prepared rows from {recipe.data.train_files[0]}")
 
     step(f"3/4 online distillation on {a.nproc} CPU ranks")
     t = time.time()
@@ -353,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         "export_dirs": [str(p) for p in export_dirs],
         "target_dir": str(Path(recipe.target.path)),
         "eval_dirs": [str(out / f"eval_{name}") for name in DRAFTERS],
-        "training_data": str(regen),
+        "training_data": str(recipe.data.train_files[0]),
         "training_prompts": [
             f"{f}[{first}:{first + n}] ({field})" for f, field, first, n in PROMPT_MIX
         ],

@@ -58,3 +58,30 @@ def test_out_is_replaced_only_when_it_is_an_earlier_export(tmp_path, capsys):
     assert cli(step, a_file) == 2
     assert f"{a_file} exists and is not a directory" in capsys.readouterr().err
     assert a_file.read_text() == "x"
+
+
+def test_export_dtype_float32_writes_the_trained_weights_unrounded(tmp_path):
+    """export.dtype float32 (the recipe's) or --dtype float32 (the command's): the trained
+    fp32 weights exactly; the default rounds them to bf16."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from specforge_dspark.cli.export import main
+
+    step = fake_training_checkpoint(tmp_path / "run", TINY)
+    saved = torch.load(step / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in saved.values())  # it could fail
+    args = ["--checkpoint", str(step), "--format", "sglang", "--out"]
+    assert main([*args, str(tmp_path / "cli"), "--dtype", "float32"]) == 0
+    assert cli(step, tmp_path / "default") == 0
+    state = json.loads((step / "train_state.json").read_text())
+    state["recipe"]["export"]["dtype"] = "float32"
+    (step / "train_state.json").write_text(json.dumps(state))
+    assert cli(step, tmp_path / "recipe") == 0
+    for name, want in (("cli", saved), ("recipe", saved),
+                       ("default", {k: v.bfloat16() for k, v in saved.items()})):  # fmt: skip
+        got = load_file(str(tmp_path / name / "model.safetensors"))
+        assert got.keys() == want.keys()
+        assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in want.items())

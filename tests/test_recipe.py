@@ -249,3 +249,69 @@ def test_every_shipped_served_recipe_fits_a_lost_server_in_dist_timeout(path):
         worst = t.timeout_s + t.max_restarts * (s.startup_timeout_s + t.timeout_s)
         assert worst + t.restart_backoff_s * (2**t.max_restarts - 1) <= r.dist.timeout_s
         assert s.startup_timeout_s >= 600, f"{path.name}: keep a long start-up"
+
+
+def test_draft_init_normal_is_transformers_init():
+    """draft.init=normal: every Linear and Embedding N(0, init_std) (Markov W2 included),
+    biases 0, norms 1; torch: torch's layer init and a zero Markov W2; normal_backbone:
+    normal but for the Markov head, which starts as torch's."""
+    from torch import nn
+
+    from specforge_dspark.drafters.registry import new_draft
+
+    path = REPO / "recipes" / "tiny_cpu.yaml"
+    torch.manual_seed(0)
+    normal = new_draft(load_recipe(path, ["draft.init=normal", "draft.init_std=0.03"]).draft)
+    torch.manual_seed(0)
+    default = new_draft(load_recipe(path, ["draft.init=torch"]).draft)
+    torch.manual_seed(0)
+    backbone = new_draft(load_recipe(path, ["draft.init=normal_backbone"]).draft)
+    for name, m in normal.named_modules():
+        if isinstance(m, nn.Linear | nn.Embedding) and m.weight.numel() >= 4096:
+            std = float(m.weight.detach().std())
+            assert 0.027 < std < 0.033 and abs(float(m.weight.mean())) < 3e-3, (name, std)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            assert not m.bias.any(), name
+    assert all(bool((p == 1).all()) for n, p in normal.named_parameters() if "norm" in n)
+    assert normal.markov_head.markov_w2.weight.abs().sum() > 0
+    assert not default.markov_head.markov_w2.weight.any()
+    assert float(default.markov_head.markov_w1.weight.detach().std()) > 0.5  # torch's N(0, 1)
+    # normal_backbone: the Markov head as torch starts it, the rest as `normal`
+    assert not backbone.markov_head.markov_w2.weight.any()
+    assert float(backbone.markov_head.markov_w1.weight.detach().std()) > 0.5
+    assert 0.018 < float(backbone.fc.weight.detach().std()) < 0.022
+    with pytest.raises(RecipeError, match="draft.init"):
+        load_recipe(path, ["draft.init=xavier"])
+
+
+def test_norm_from_target_starts_the_draft_at_the_target_heads_input_scale(
+    tiny_target_dir, tmp_path
+):
+    """draft.norm_from_target: the fresh draft's final norm is the target's (read by name
+    from its safetensors, independently here); off: ones; a Gemma target is refused."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+
+    from specforge_dspark.training.drafters import construct_draft
+
+    path = REPO / "recipes" / "tiny_cpu.yaml"
+    on = [f"target.path={tiny_target_dir}", "draft.norm_from_target=true"]
+    draft = construct_draft(load_recipe(path, on))
+    (weights,) = tiny_target_dir.glob("*.safetensors")
+    with safe_open(str(weights), "pt") as f:
+        want = f.get_tensor("model.norm.weight").float()
+    assert abs(float(want.mean()) - 1.0) > 0.5  # the target's scale is not the default
+    assert torch.equal(draft.norm.weight.detach(), want)
+    off = construct_draft(
+        load_recipe(path, [f"target.path={tiny_target_dir}", "draft.norm_from_target=false"])
+    )
+    assert bool((off.norm.weight == 1).all())
+
+    gemma = tmp_path / "gemma"
+    shutil.copytree(tiny_target_dir, gemma)
+    config = json.loads((gemma / "config.json").read_text())
+    (gemma / "config.json").write_text(json.dumps({**config, "model_type": "gemma3_text"}))
+    with pytest.raises(ValueError, match="1 \\+ weight"):
+        construct_draft(load_recipe(path, [f"target.path={gemma}", "draft.norm_from_target=true"]))

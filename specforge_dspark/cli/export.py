@@ -48,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         "(logical vocab + t2d/d2t, for vLLM builds without the full-vocab identity map); "
         "default: export.speculators_vocab, else full",
     )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=("bfloat16", "float32"),
+        help="weights as written (default: the checkpoint's export.dtype, else bfloat16)",
+    )
     args = parser.parse_args(argv)
     if args.speculators_vocab and args.format != "speculators":
         print(f"warning: --speculators-vocab is ignored by --format {args.format}", file=sys.stderr)
@@ -59,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             args.target,
             args.verifier_name,
             args.speculators_vocab,
+            args.dtype,
         )
     except ValueError as e:  # ExportError, RecipeError, bad config.json
         print(f"export failed: {e}", file=sys.stderr)

@@ -186,7 +186,8 @@ def draft_section(
     }  # fmt: skip
     if kind == "dspark":
         draft.update(markov_rank=min(256, H // 4), markov_head_type="vanilla",
-                     enable_confidence_head=True, confidence_head_with_markov=True)  # fmt: skip
+                     enable_confidence_head=True, confidence_head_with_markov=True,
+                     init="normal_backbone", norm_from_target=True)  # fmt: skip
     else:  # served window 4096 as the seed, 64 as the tiny recipe; the selector of dflash2.yaml
         selector = {"selector_rank": 64, "selector_top_k": 16} if kind == "dflash2" else {}
         draft.update(layer_types=["sliding_attention"] * layers, **selector)
@@ -267,7 +268,7 @@ def build(
             "num_anchors": 512 if gpus else 64, "ce_weight": 0.1, "l1_weight": 0.9,
             "bce_weight": 1.0 if dspark else 0.0, "gamma": 4.0 if dspark else 7.0,
             "chunk_size": (64 if dspark else 32) if gpus else (32 if dspark else 16),
-            "slot_weighting": "decay" if dspark else "dpace"},
+            "slot_weighting": "decay" if dspark else "dpace", "confidence_detach": dspark},
         "optim": {"lr": 6e-4 if gpus else 2e-3, "weight_decay": 0.0, "betas": [0.9, 0.95],
                   "scheduler": "cosine", "warmup_ratio": 0.04 if gpus else 0.05, "grad_clip": 1.0},
         "train": {"seed": 0, "epochs": 10 if gpus else 1, "max_steps": 0 if gpus else 300,

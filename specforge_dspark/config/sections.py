@@ -105,6 +105,17 @@ class DraftRecipe:
     """dflash2: candidates K per slot (the target LM head's top-K of the draft hidden)."""
     init_from: str = ""
     """Optional exported drafter directory to start from."""
+    init: Literal["torch", "normal", "normal_backbone"] = "torch"
+    """A fresh drafter's weights: torch's layer defaults (kaiming-uniform Linear, N(0, 1)
+    Markov W1; Markov W2 zero); normal: every Linear and Embedding N(0, init_std), biases
+    0, norms 1 (transformers' `_init_weights`, what SpecForge starts from); normal_backbone:
+    that for all but the Markov head, which keeps its start (a zero bias whose W2 learns at
+    once from unit-scale W1 codes, instead of a product of two small matrices)."""
+    init_std: float = 0.02
+    norm_from_target: bool = False
+    """A fresh drafter's final norm starts as the target's final norm: both feed the same
+    frozen LM head, so the draft's logits start at the target's scale instead of learning
+    it (with Adam, about 1/lr steps per unit of norm weight)."""
 
 
 @dataclass
@@ -150,6 +161,10 @@ class ObjectiveRecipe:
     selector_detach: bool = True
     """dflash2: the selector reads the backbone's hidden detached (the engine's top-K
     implies it; the default), or, False, trains jointly: its loss reaches the backbone."""
+    confidence_detach: bool = False
+    """dspark: the BCE term trains the confidence head's own parameters only (its inputs,
+    the backbone's hidden and the Markov W1 rows, read detached); False: its gradient also
+    reaches the backbone. The loss's value is the same either way."""
     slot_weighting: Literal["decay", "dpace"] = "decay"
     """decay: exp(-k / gamma); dpace: D-PACE's weights from the drafter's own per-slot
     confidences, the gradient of the expected accept length (objective/acceptance.py)."""
@@ -260,6 +275,9 @@ class ExportRecipe:
     """speculators (vLLM) draft vocabulary: "full" = every LM-head row, no t2d/d2t (what
     training covers); "reduced" = the logical vocabulary with t2d/d2t and a stored LM
     head, for vLLM builds that cannot serve a full padded-vocab draft as the identity."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Weights as written: bfloat16 (what the engines serve), or float32 (the trained fp32
+    weights unrounded, for fp32 serving)."""
     calibrate_prompts: int = 0
     """> 0: after the final export, fit per-position confidence temperatures (sequential
     temperature scaling, decoding/calibration.py) by speculative decoding on this many

@@ -245,6 +245,17 @@ def decode_blocks(
     return norm(x_BQH).view(B, N, G, H)
 
 
+def normal_init_(module: nn.Module, std: float) -> nn.Module:
+    """Every Linear and Embedding weight of `module` N(0, std), biases 0 (norms keep their
+    ones): transformers' `_init_weights` for a config with initializer_range `std`."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear | nn.Embedding):
+            nn.init.normal_(m.weight, 0.0, std)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+    return module
+
+
 class MarkovHead(nn.Module):
     """Bias on a slot's logits from the previous token (SGLang VanillaMarkov / Gated / RNN).
 

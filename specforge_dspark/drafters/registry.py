@@ -26,6 +26,7 @@ from specforge_dspark.drafters.dflash2 import ARCHITECTURE as DFLASH2_ARCH
 from specforge_dspark.drafters.dflash2 import DFlash2Config, DFlash2Draft
 from specforge_dspark.drafters.dspark import ARCHITECTURE as DSPARK_ARCH
 from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
+from specforge_dspark.drafters.layers import normal_init_
 from specforge_dspark.objective.loss import compute_loss
 from specforge_dspark.objective.metrics import LossOutput
 from specforge_dspark.objective.selector_loss import selector_term
@@ -73,9 +74,17 @@ def _kind(kind: str) -> DrafterKind:
 
 
 def new_draft(draft: DraftRecipe) -> nn.Module:
-    """A freshly initialised drafter of `draft.kind` (builds on the current default device)."""
+    """A freshly initialised drafter of `draft.kind` (builds on the current default device),
+    with `draft.init`'s weights."""
     k = _kind(draft.kind)
-    return k.network(k.config.from_recipe(draft))
+    network = k.network(k.config.from_recipe(draft))
+    if draft.init == "normal":
+        normal_init_(network, draft.init_std)
+    elif draft.init == "normal_backbone":
+        for name, child in network.named_children():
+            if name != "markov_head":
+                normal_init_(child, draft.init_std)
+    return network
 
 
 def kind_of_dir(path: str | Path) -> str:

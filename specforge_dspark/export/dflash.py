@@ -93,10 +93,14 @@ def network_of(cfg: DFlashConfig) -> type[DFlashDraft]:
 
 
 def export_dflash_checkpoint(
-    ckpt_dir: str | Path, fmt: str, out_dir: str | Path, target_path: str | Path | None = None
+    ckpt_dir: str | Path,
+    fmt: str,
+    out_dir: str | Path,
+    target_path: str | Path | None = None,
+    dtype: str | None = None,
 ) -> Path:
     """Export a DFlash / DFlash2 training checkpoint (or DFLASH export) as `fmt` ("sglang"
-    only)."""
+    only), its weights in `dtype` (default: the recipe's export.dtype)."""
     if fmt != "sglang":
         raise ExportError(
             f"--checkpoint {ckpt_dir}: a DFlash draft exports only as sglang (DFLASH), not {fmt}"
@@ -104,8 +108,10 @@ def export_dflash_checkpoint(
     kind, resolved = resolve_checkpoint(Path(ckpt_dir))
     if kind == "export":
         draft = KINDS[kind_of_dir(resolved)].network.from_pretrained(resolved)
-        return export_dflash(draft, None, out_dir, target_path)
+        return export_dflash(draft, None, out_dir, target_path, getattr(torch, dtype or "bfloat16"))
     recipe = step_recipe(resolved)
     cfg = KINDS[recipe.draft.kind].config.from_recipe(recipe.draft)
     weights = deepspeed_weights(resolved, recipe.dist.zero_stage)
-    return export_dflash(weights, cfg, out_dir, target_path or recipe.target.path or None)
+    target = target_path or recipe.target.path or None
+    weights_dtype = getattr(torch, dtype or recipe.export.dtype)
+    return export_dflash(weights, cfg, out_dir, target, weights_dtype)

@@ -41,8 +41,8 @@ def export_draft(
     target directory: LM head, vocab and muP multiplier); `verifier_name` (what vLLM loads
     as the verifier) defaults to its absolute path; `speculators_vocab` is "full" or
     "reduced" (speculators.py). `known`: conventions already recorded for this draft
-    (checked against the target; they fill in what the target does not say). `dtype`
-    other than bf16 is for tests.
+    (checked against the target; they fill in what the target does not say). `dtype`:
+    the weights as written (a training checkpoint's `export.dtype`).
     """
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; expected one of {list(FORMATS)}")
@@ -72,18 +72,22 @@ def export_dspark_checkpoint(
     target_path: str | Path | None = None,
     verifier_name: str | None = None,
     speculators_vocab: str | None = None,
+    dtype: str | None = None,
 ) -> Path:
     """Export a DSpark training checkpoint (or an exported SGLang directory) as `fmt`.
 
-    For a training checkpoint the target, verifier name and speculators vocabulary default
-    to the recipe's `target.path`, `export.verifier_name` and `export.speculators_vocab`
-    (else "full"). The conventions the checkpoint records must agree with the target.
+    For a training checkpoint the target, verifier name, speculators vocabulary and dtype
+    default to the recipe's `target.path`, `export.verifier_name`, `export.speculators_vocab`
+    (else "full") and `export.dtype` (else bfloat16). The conventions the checkpoint
+    records must agree with the target.
     """
     cfg, weights, recipe = read_checkpoint(ckpt_dir)
+    weights_dtype = dtype or "bfloat16"
     if recipe is not None:
         target_path = target_path or recipe.target.path or None
         verifier_name = verifier_name or recipe.export.verifier_name or None
         speculators_vocab = speculators_vocab or recipe.export.speculators_vocab
+        weights_dtype = dtype or recipe.export.dtype
     known = recorded_conventions(ckpt_dir)
     try:
         return export_draft(
@@ -93,6 +97,7 @@ def export_dspark_checkpoint(
             fmt,
             verifier_name,
             target_path,
+            dtype=getattr(torch, weights_dtype),
             speculators_vocab=speculators_vocab or "full",
             known=known,
         )

@@ -62,6 +62,13 @@ HEAD_NAMES = (
     "llm.unembed.weight",
 )
 
+NORM_NAMES = (
+    "model.norm.weight",
+    "model.language_model.norm.weight",
+    "model.llm.norm.weight",  # Inkling raw
+    "llm.norm.weight",
+)
+
 
 class FrozenHead(nn.Module):
     """Frozen target embedding `[V_rows, H]` and LM head `[V_rows, H]` (buffers, no grad)."""
@@ -165,6 +172,20 @@ def load_frozen_head(
         config_value(config, "final_logit_softcapping"),
         _head_format(config, head_name),
     )
+
+
+def load_final_norm(target_path: str | Path) -> torch.Tensor:
+    """The target's final RMSNorm weight `[H]` (fp32): the scale of the LM head's input.
+    Targets whose norms are zero-centred (Gemma's `1 + weight`) are refused."""
+    root = Path(target_path)
+    model_type = str(config_value(_read_json(root / "config.json"), "model_type") or "")
+    if model_type.startswith("gemma"):
+        raise ValueError(f"{root}: {model_type}'s norms scale by 1 + weight; not supported")
+    files = _weight_files(root)
+    name = _first_present(NORM_NAMES, files)
+    if name is None:
+        raise ValueError(f"{root}: no final norm found; tried {list(NORM_NAMES)}")
+    return _read(files[name], name, "cpu", torch.float32)
 
 
 def _head_format(config: dict[str, Any], head_name: str | None) -> str | None:

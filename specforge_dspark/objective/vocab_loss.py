@@ -347,11 +347,29 @@ def vocab_chunk(
     if not plan.need_grads:
         return stats_8CG, None
     outs, grad_outs = [logits_1CGV], [t.dlogits_MV.view_as(logits_1CGV)]
-    if conf_1CG is not None:
+    detached = conf_1CG is not None and plan.obj.confidence_detach
+    if conf_1CG is not None and not detached:
         outs.append(conf_1CG)
         grad_outs.append(t.dconf_M.view_as(conf_1CG))
-    grads = torch.autograd.grad(outs, [h_1CGH, *params], grad_outs, allow_unused=True)
+    grads = torch.autograd.grad(
+        outs, [h_1CGH, *params], grad_outs, allow_unused=True, retain_graph=detached
+    )
+    if detached:  # the BCE's gradient for the confidence head's own parameters only
+        grads = _add_head_grads(plan, params, grads, conf_1CG, t.dconf_M.view_as(conf_1CG))
     return stats_8CG, (grads[0][0], *grads[1:])
+
+
+def _add_head_grads(plan: VocabPlan, params, grads, conf: Tensor, dconf: Tensor) -> tuple:
+    """`grads` (wrt h and `params`) plus the confidence's gradient wrt the confidence
+    head's parameters among `params` (objective.confidence_detach)."""
+    own = {id(p) for p in plan.draft.confidence_head.parameters()}
+    idx = [i for i, p in enumerate(params) if id(p) in own]
+    extra = torch.autograd.grad([conf], [params[i] for i in idx], [dconf], allow_unused=True)
+    out = list(grads)
+    for i, g in zip(idx, extra, strict=True):
+        if g is not None:
+            out[1 + i] = g if out[1 + i] is None else out[1 + i] + g
+    return tuple(out)
 
 
 STATS = ("ce", "l1", "alpha", "bce", "calib", "top1", "div", "coef")

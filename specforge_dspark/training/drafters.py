@@ -71,7 +71,17 @@ def construct_draft(recipe: Recipe) -> torch.nn.Module:
 
         check_conventions(d.init_from, recipe)
         return DSparkDraft.from_pretrained(d.init_from)
-    return new_draft(d)
+    draft = new_draft(d)
+    if d.norm_from_target:
+        from specforge_dspark.objective.frozen_head import load_final_norm
+
+        weight, want = load_final_norm(recipe.target.path), draft.norm.weight
+        if weight.shape != want.shape:
+            raise ValueError(f"draft.norm_from_target: the target's final norm has shape "
+                             f"{tuple(weight.shape)}, the draft's {tuple(want.shape)}")  # fmt: skip
+        with torch.no_grad():
+            draft.norm.weight.copy_(weight)
+    return draft
 
 
 def companion_recipes(recipe: Recipe) -> list[tuple[str, Recipe]]:
