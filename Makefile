@@ -160,7 +160,7 @@ $(SF_STAMP): requirements-specforge.txt
 # paired intervals pooled over seeds; each of the demo's extras timed alone
 # (runs/incumbent/summary.json; publish with `python -m evaluation.figures publish
 # incumbent`; the ladder of changes between base and the defaults: see docs/incumbent.md).
-# About 50 minutes.
+# About 40 minutes (by its parts; not yet run whole on a fresh machine).
 incumbent: setup tiny-target specforge-venv
 	$(PY) scripts/incumbent.py --nproc $(NPROC) --timing
 
