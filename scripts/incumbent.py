@@ -8,7 +8,8 @@ sequence per rank per step), several seeds per side. SpecForge trains offline on
 our hf target wrote once (the same taps our online trainer streams); ours trains online
 from the live target with its extras off (no served evaluation, no preflight, one save
 at the end). Both exports decode the demo's four held-out workloads (greedy, lossless),
-every drafter on the same prompts.
+every drafter on the same prompts: NUM_PROMPTS per workload (<out>/prompts<N>/eval_<run>),
+the first DEMO_PROMPTS of them the demo's own evaluation (`paired` ... `demo_prompts`).
 
 Writes <out>/summary.json: per drafter and workload accept length with 95% intervals; per
 side and variant, pooled over its seeds (each prompt's committed tokens and verify steps
@@ -62,6 +63,8 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "conf_detach": ("draft.init=normal", *NEW[1:]),
     "markov_keep": NEW,
     "new_betas999": (*NEW, "optim.betas=[0.9,0.999]"),
+    "std004": (*NEW, "draft.init_std=0.04"),
+    "std001": (*NEW, "draft.init_std=0.01"),
     # the same features from disk (cli.capture) instead of the live target: its cost alone
     "offline": (*NEW, "target.backend=offline", "target.offline_dir={capture}"),
 }
@@ -82,7 +85,13 @@ EXTRAS = {
 # what each variant changes one thing against (the "alone" comparison docs/incumbent.md shows)
 PARENT = {"betas999": "base", "normal_init": "base", "wd01": "base", "fp32_export": "base",
           "target_norm": "normal_init", "conf_detach": "target_norm",
-          "markov_keep": "conf_detach", "new_betas999": "markov_keep"}  # fmt: skip
+          "markov_keep": "conf_detach", "new_betas999": "markov_keep",
+          "std004": "markov_keep", "std001": "markov_keep"}  # fmt: skip
+# prompts per workload: the demo evaluates 20 (DEMO_PROMPTS, also reported: the first 20 of
+# these); 60 narrows the paired intervals by about 1/sqrt(3) (MATH and HumanEval rows below
+# 100 are evaluation-only, MT-Bench has 80)
+NUM_PROMPTS = 60
+DEMO_PROMPTS = 20
 # re-exports of base's checkpoints, the trained weights unchanged: variant -> export dtype
 REEXPORTS = {"fp32_export": "float32"}
 
@@ -132,13 +141,16 @@ def reexport(run: dict, dtype: str, out: Path) -> dict:
     return {**run, "export": str(export)}
 
 
-def pooled_units(names: list[str], out: Path) -> dict:
-    """(workload, prompt) -> (committed, verify steps) summed over `names`' evaluations."""
+def pooled_units(names: list[str], out: Path, first: int = 0) -> dict:
+    """(workload, prompt) -> (committed, verify steps) summed over `names`' evaluations
+    (under `out`); with `first`, only each workload's first prompts."""
     from evaluation.metrics import prompt_units
 
     total: dict = {}
     for name in names:
         for k, (c, n) in prompt_units(out / f"eval_{name}").items():
+            if first and k[1] >= first:
+                continue
             tc, tn = total.get(k, (0, 0))
             total[k] = (tc + c, tn + n)
     return total
@@ -179,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         "--variants", default=DEFAULT_VARIANTS, help=f"of {', '.join([*VARIANTS, *REEXPORTS])}"
     )
     ap.add_argument("--timing", action="store_true", help="also time the demo's extras")
-    ap.add_argument("--num-prompts", type=int, default=20, help="per workload")
+    ap.add_argument("--num-prompts", type=int, default=NUM_PROMPTS, help="per workload")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     a = ap.parse_args(argv)
     os.chdir(REPO)
@@ -235,38 +247,45 @@ def main(argv: list[str] | None = None) -> int:
 
     demo.step("4/4 acceptance by speculative decoding (held-out prompts)")
     workloads = demo.WORKLOADS.split(",")
-    done = {n for n in runs if (out / f"eval_{n}" / "summary.json").is_file()}
+    ev = out / f"prompts{a.num_prompts}"  # evaluations, by prompts per workload
+    done = {n for n in runs if (ev / f"eval_{n}" / "summary.json").is_file()}
     todo = {n: r["export"] for n, r in runs.items() if n not in done}
     if todo:
         kw = dict(target_path=str(target), num_prompts=a.num_prompts,
-                  max_new_tokens=a.max_new_tokens, out=str(out))  # fmt: skip
+                  max_new_tokens=a.max_new_tokens, out=str(ev))  # fmt: skip
         demo.evaluate_split(todo, workloads, kw)
-    results = {n: json.loads((out / f"eval_{n}" / "summary.json").read_text()) for n in runs}
+    results = {n: json.loads((ev / f"eval_{n}" / "summary.json").read_text()) for n in runs}
     demo.print_table(results, workloads)
 
     sf_names = [f"specforge_s{s}" for s in seeds]
-    sf_units = pooled_units(sf_names, out)
-    sides = {"specforge": side(sf_names, out, workloads)}
+    sf_units = pooled_units(sf_names, ev)
+    sides = {"specforge": side(sf_names, ev, workloads)}
     paired = {}
     for v in variants:
         names = [f"{v}_s{s}" for s in seeds]
-        sides[v] = side(names, out, workloads)
+        sides[v] = side(names, ev, workloads)
         paired[v] = {
-            "pooled": compare(pooled_units(names, out), sf_units, workloads),
+            "pooled": compare(pooled_units(names, ev), sf_units, workloads),
             "by_seed": {
                 s: compare(
-                    pooled_units([f"{v}_s{s}"], out),
-                    pooled_units([f"specforge_s{s}"], out),
+                    pooled_units([f"{v}_s{s}"], ev),
+                    pooled_units([f"specforge_s{s}"], ev),
                     workloads,
                 )["overall"]
                 for s in seeds
             },  # fmt: skip
         }
+        if a.num_prompts > DEMO_PROMPTS:  # the demo's evaluation: the first 20 of these
+            paired[v]["demo_prompts"] = compare(
+                pooled_units(names, ev, DEMO_PROMPTS),
+                pooled_units(sf_names, ev, DEMO_PROMPTS),
+                workloads,
+            )
         p = paired[v]["pooled"]["overall"]
         print(f"{v} - specforge (pooled over seeds): {p['difference']:+.3f} {p['ci']}")
     alone = {
-        v: {"against": PARENT[v], **compare(pooled_units([f"{v}_s{s}" for s in seeds], out),
-                                            pooled_units([f"{PARENT[v]}_s{s}" for s in seeds], out),
+        v: {"against": PARENT[v], **compare(pooled_units([f"{v}_s{s}" for s in seeds], ev),
+                                            pooled_units([f"{PARENT[v]}_s{s}" for s in seeds], ev),
                                             workloads)["overall"]}
         for v in variants if PARENT.get(v) in variants
     }  # fmt: skip
@@ -285,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": a.steps,
         "overrides": overrides,
         "num_prompts": a.num_prompts,
+        "demo_prompts": DEMO_PROMPTS,
         "max_new_tokens": a.max_new_tokens,
         "seconds": round(time.time() - t0, 1),
         "provenance": provenance(
