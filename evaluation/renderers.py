@@ -280,6 +280,15 @@ def render_incumbent(res: dict) -> str:
         cells = [_signed(p["pooled"][w]) for w in ["overall", *workloads]]
         lines.append(f"| {v} ({', '.join(res['variants'][v]) or 'the demo recipe'}) | "
                      + " | ".join(cells) + f" | {by_seed} |")  # fmt: skip
+    first = {v: p["demo_prompts"] for v, p in res["paired"].items() if "demo_prompts" in p}
+    if first:
+        n = res["demo_prompts"]
+        lines += ["", f"| the same on the first {n} prompts of each (the demo's evaluation) | "
+                  "overall | " + " | ".join(workloads) + " |",
+                  "|---" * (len(workloads) + 2) + "|"]  # fmt: skip
+        for v, p in first.items():
+            cells = [_signed(p[w]) for w in ["overall", *workloads]]
+            lines.append(f"| {v} | " + " | ".join(cells) + " |")
 
     if res.get("alone"):
         lines += ["", "| change, measured alone | against | overall, paired |", "|---|---|---|"]

@@ -342,6 +342,16 @@ class LoopRecipe:
     """The serving engine that answers the traffic and judges the gate (loop/serve.py
     ENGINES): SGLang serves the export's sglang layout, vLLM its speculators layout
     (DSpark), each request with the engine's own figures."""
+    swap: Literal["restart", "reload"] = "restart"
+    """How a promoted (or rolled-back) drafter takes the serving replicas: restart: new
+    servers replace the old one at a time behind the front; reload (vLLM only): each
+    serving server loads the new drafter's weights in place through vLLM's draft weight
+    update (engines/vllm_draft_weights.py), no server started or stopped."""
+    attach: list[str] = field(default_factory=list)
+    """URLs of a running vLLM deployment the loop did not start (each started reloadable:
+    docs/loop.md), serving loop.serve_from: the loop's replicas instead of its own; each
+    is loaded with the serving version on attach, then swapped in place (loop.swap:
+    reload), never stopped."""
 
 
 @dataclass

@@ -198,6 +198,12 @@ def validate(r: Recipe) -> list[str]:
     for key in ("requests_per_round", "max_new_tokens", "steps_per_round", "guard_prompts",
                 "replicas"):  # fmt: skip
         need(getattr(lp, key) >= 1, f"loop.{key} must be >= 1, got {getattr(lp, key)}")
+    need(lp.swap != "reload" or lp.engine == "vllm",
+         f"loop.swap: reload needs loop.engine: vllm (its draft weight update); {lp.engine} "
+         "swaps by restart")  # fmt: skip
+    need(not lp.attach or lp.swap == "reload",
+         "loop.attach: a deployment the loop did not start is swapped in place only: set "
+         "loop.swap: reload (and loop.engine: vllm)")  # fmt: skip
     return e
 
 

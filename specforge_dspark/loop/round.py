@@ -61,7 +61,7 @@ class Served:
     """A live drafter-serving server: which version, its process and URL."""
 
     version: int
-    proc: ServerProcess
+    proc: ServerProcess | None  # None: attached (loop.attach), not the loop's to stop
     url: str
 
 
@@ -119,7 +119,9 @@ class Loop:
         log = self.root / "servers" / f"v{version}-{port}.log"
         t0 = time.monotonic()
         served = export.parent / engine.layout  # the lineage names the sglang layout
-        proc, url = engine.start(t.path, served, port, log, t.device, t.dtype, engine.python(t))
+        kw = {"reloadable": True} if self.recipe.loop.swap == "reload" else {}
+        proc, url = engine.start(t.path, served, port, log, t.device, t.dtype, engine.python(t),
+                                 **kw)  # fmt: skip
         self.log(
             f"loop: version {version} serving at {url} ({time.monotonic() - t0:.0f}s to start)"
         )
@@ -127,14 +129,35 @@ class Loop:
 
     def ensure_serving(self) -> Served:
         version = self.lineage.serving()["version"]
+        if not self.pool and self.recipe.loop.attach:
+            # a deployment the loop did not start: loaded with the serving version (what it
+            # serves unless a kill landed between a promotion and its swap), then kept
+            self.pool = [Served(version, None, url.rstrip("/")) for url in self.recipe.loop.attach]
+            self.serve(self.pool[0], force=True)
+            for member in self.pool:
+                self.front.add(member.url)
+            self.log(f"loop: version {version} serves at {len(self.pool)} attached server(s)")
         if not self.pool or self.pool[0].version != version:
             self.serve(self.start(version))
         return self.pool[0]
 
-    def serve(self, new: Served) -> None:
+    def serve(self, new: Served, force: bool = False) -> None:
         """`new` and `loop.replicas` - 1 more servers of its version take the front's
         requests one member at a time (a rolling restart): each old member stops once it
-        has none in flight, and the pool never has fewer members than before."""
+        has none in flight, and the pool never has fewer members than before. With
+        `loop.swap: reload` the serving members load `new`'s drafter in place instead
+        (the engine's draft weight update; `force`: even where the version is the same)
+        and `new`'s own server stops."""
+        if self.recipe.loop.swap == "reload" and self.pool:
+            engine = ENGINES[self.recipe.loop.engine]
+            export = Path(self.lineage.versions[new.version]["export"]).parent / engine.layout
+            for member in self.pool:
+                if force or member.version != new.version:
+                    engine.update(member.url, export, f"v{new.version}")
+                member.version = new.version
+            if new not in self.pool and new.proc is not None:
+                new.proc.stop()
+            return
         old, members = self.pool, []
         for i in range(self.recipe.loop.replicas):
             member = new if i == 0 else self.start(new.version)
@@ -148,7 +171,8 @@ class Loop:
 
     def close(self) -> None:
         for member in self.pool:
-            member.proc.stop()
+            if member.proc is not None:  # an attached server serves on
+                member.proc.stop()
         self.pool = []
         self.front.close()
 

@@ -26,7 +26,11 @@ from specforge_dspark.decoding.prompts import (
 )
 from specforge_dspark.engines.api_key import auth_headers
 from specforge_dspark.engines.spec_server import start_spec_server
-from specforge_dspark.engines.vllm_spec_server import start_vllm_spec_server, vllm_generate
+from specforge_dspark.engines.vllm_spec_server import (
+    start_vllm_spec_server,
+    update_draft,
+    vllm_generate,
+)
 from specforge_dspark.loop.records import Journal, record, served_figures, vllm_served_figures
 
 
@@ -67,11 +71,14 @@ class Engine:
     ask: Callable[..., tuple[list[int], dict]]
     layout: str  # the export format it serves: export/<layout>/
     python: Callable[[Any], str]  # its interpreter, from recipe.target
+    update: Callable[..., None] | None = None  # (url, export dir, version): in place
 
 
 ENGINES = {
     "sglang": Engine(start_spec_server, ask_sglang, "sglang", lambda t: t.sglang.python),
-    "vllm": Engine(start_vllm_spec_server, ask_vllm, "speculators", lambda t: t.vllm.python),
+    "vllm": Engine(
+        start_vllm_spec_server, ask_vllm, "speculators", lambda t: t.vllm.python, update_draft
+    ),  # fmt: skip
 }
 
 

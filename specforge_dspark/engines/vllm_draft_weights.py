@@ -1,0 +1,95 @@
+"""vLLM side of the closed loop's in-place swap (`loop.swap: reload`): a weight-transfer
+backend for vLLM's own draft weight update that reads an exported drafter from disk.
+
+vLLM 0.32 updates a serving draft model's weights in place through its RL endpoints
+(`/start_draft_weight_update`, `/update_weights`, `/finish_weight_update`, mounted with
+`VLLM_SERVER_DEV_MODE=1`; vllm/entrypoints/rl/online/api_router.py), each worker handing
+the chunks to the backend named by `--weight-transfer-config` (vllm/v1/worker/gpu_worker.py
+`_start_weight_update`, `update_weights`). Its backends move tensors from a trainer's GPUs
+(NCCL, CUDA IPC, RDMA): none runs on this CPU, and a loop's candidate is a file anyway. This
+backend, `specforge_dir`, receives `{"path": <the export's speculators directory>}` and
+loads that directory's safetensors into the draft model with the model's own
+`load_weights` (the loader vLLM used when it started: qwen3_dspark.py maps the names and
+rebuilds its fused KV buffers). Loading is synchronous, so `update_weights` skips the
+base class's `torch.accelerator.synchronize()` where no accelerator exists (a CPU worker
+raises there).
+
+Registered by entry point `specforge_dspark` in group `vllm.general_plugins` (pyproject),
+which vLLM loads in every process; the backend acts only when a server is started with
+`--weight-transfer-config '{"backend": "specforge_dir"}'` (vllm_spec_server.py
+`reloadable`). Imports vLLM: loaded only in vLLM's own venv.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+BACKEND = "specforge_dir"
+
+
+def register() -> None:
+    """Entry point: make `specforge_dir` a weight-transfer backend in this vLLM process."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "DirWeightTransferEngine")
+    except ValueError:  # registered already (plugins loaded twice in one process)
+        pass
+
+
+@dataclass
+class DirInitInfo:
+    """Nothing to set up: the weights come from a path named in each update."""
+
+
+@dataclass
+class DirUpdateInfo:
+    path: str
+    """A drafter export in the layout the server loaded (config.json + *.safetensors)."""
+
+
+def _engine_base():
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    return WeightTransferEngine
+
+
+class DirWeightTransferEngine(_engine_base()):
+    """Loads an exported drafter's tensors from disk into the update's target model."""
+
+    init_info_cls = DirInitInfo
+    update_info_cls = DirUpdateInfo
+    supports_draft_weight_update = True
+
+    def init_transfer_engine(self, init_info: DirInitInfo) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+    def update_weights(self, update_info: dict) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: DirUpdateInfo) -> None:
+        from vllm.model_executor.model_loader.weight_utils import (
+            safetensors_weights_iterator,
+        )
+
+        files = sorted(str(f) for f in Path(update_info.path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(
+                f"{BACKEND}: no *.safetensors in {update_info.path} (update_info.path must "
+                "name an exported drafter directory)"
+            )
+        self.model.load_weights(safetensors_weights_iterator(files, use_tqdm_on_load=False))
