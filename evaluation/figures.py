@@ -38,6 +38,8 @@ PUBLISHED = {
     "drift": ("runs/drift", "", ""),
     "loop": ("runs/loop", "", ""),
     "incumbent": ("runs/incumbent", "", ""),
+    # the candidates measured one by one (scripts/incumbent.py --variants ...; runs/incumbent)
+    "incumbent_ladder": ("runs/incumbent", "", ""),
 }
 BLOCK = re.compile(r"(<!-- figures:(\w+) -->\n)(.*?)(<!-- /figures:\2 -->)", re.S)
 

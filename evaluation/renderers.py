@@ -319,4 +319,4 @@ def render_incumbent(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-RENDER["incumbent"] = render_incumbent
+RENDER["incumbent"] = RENDER["incumbent_ladder"] = render_incumbent

@@ -107,7 +107,7 @@ def test_vllm_takes_another_drafter_in_place_while_requests_keep_coming(
     prompts = [render(tok, [{"role": "user", "content": c.turns[0]}])
                for c in load_conversations(parse_workload("gsm8k"), 3)]  # fmt: skip
     server, url = start_vllm_spec_server(tiny_qwen3_dir, trained, free_port(),
-                                         tmp_path / "vllm.log", python=str(VLLM_PYTHON),
+                                         tmp_path / "vllm.log", vllm_python=str(VLLM_PYTHON),
                                          reloadable=True)  # fmt: skip
 
     def ask_all() -> list[tuple[list[int], dict]]:
@@ -127,9 +127,9 @@ def test_vllm_takes_another_drafter_in_place_while_requests_keep_coming(
             stream.append((t0, time.monotonic(), i % 3, answer))
             i += 1
 
+    feeder = threading.Thread(target=steady, daemon=True)
     try:
         first = ask_all()
-        feeder = threading.Thread(target=steady)
         feeder.start()
         while not stream:  # the stream runs before the swap
             time.sleep(0.05)
@@ -144,6 +144,7 @@ def test_vllm_takes_another_drafter_in_place_while_requests_keep_coming(
         with urllib.request.urlopen(f"{url}/weight_info") as r:
             version = json.loads(r.read())["weight_version"]
     finally:
+        done.set()
         server.stop()
 
     answers = [t for t, _ in first]

@@ -10,7 +10,8 @@ the chunks to the backend named by `--weight-transfer-config` (vllm/v1/worker/gp
 backend, `specforge_dir`, receives `{"path": <the export's speculators directory>}` and
 loads that directory's safetensors into the draft model with the model's own
 `load_weights` (the loader vLLM used when it started: qwen3_dspark.py maps the names and
-rebuilds its fused KV buffers). Loading is synchronous, so `update_weights` skips the
+rebuilds its fused KV buffers), inside vLLM's layerwise reload (start and finish, as its
+NCCL backend). Loading is synchronous, so `update_weights` skips the
 base class's `torch.accelerator.synchronize()` where no accelerator exists (a CPU worker
 raises there).
 
@@ -68,10 +69,25 @@ class DirWeightTransferEngine(_engine_base()):
         pass
 
     def start_weight_update(self) -> None:
-        pass
+        """The layerwise reload's start, as vLLM's NCCL backend does for weights in
+        checkpoint format: after the first load a CPU worker repacks linear weights for its
+        GEMM and leaves the parameters empty; this restores them to take a checkpoint."""
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
-        pass
+        """Process the loaded weights again (repacking, as after the first load), then
+        rebuild what the DSpark / DFlash draft derives from them: `load_weights` stacks the
+        KV projections into fused buffers for its context precompute, and inside a
+        layerwise reload it stacked the placeholders (qwen3_dflash.py
+        `_build_fused_kv_buffers`)."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        inner = getattr(self.model, "model", None)
+        if hasattr(inner, "_build_fused_kv_buffers"):
+            inner._build_fused_kv_buffers()
 
     def shutdown(self) -> None:
         pass

@@ -111,15 +111,14 @@ def vllm_generate(
 
 def update_draft(url: str, export: str | Path, version: str, key: str | None = None) -> None:
     """vLLM's draft weight update on a `reloadable` server: the speculators export `export`
-    replaces the serving drafter's weights in place (start, one update naming the
-    directory, finish with `version` as vLLM's weight version). Requests in flight go on:
-    the engine applies it between steps, and the target verifies every draft either way."""
+    replaces the serving drafter's weights in place. Generation pauses first with its
+    requests kept (`/pause?mode=keep`: none aborted; a layerwise reload leaves the draft's
+    parameters unusable until it finishes), then start, one update naming the directory,
+    finish with `version` as vLLM's weight version, and generation resumes: the requests
+    in flight go on with the new drafter (the target verifies every draft either way)."""
     headers = {"Content-Type": "application/json", **auth_headers(key)}
-    for path, body in (
-        ("start_draft_weight_update", {}),
-        ("update_weights", {"update_info": {"path": str(Path(export).resolve())}}),
-        ("finish_weight_update", {"weight_version": version}),
-    ):
+
+    def post(path: str, body: dict) -> None:
         req = urllib.request.Request(f"{url}/{path}", json.dumps(body).encode(), headers)
         try:
             with urllib.request.urlopen(req, timeout=600) as r:
@@ -130,3 +129,11 @@ def update_draft(url: str, export: str | Path, version: str, key: str | None = N
                 "must be started reloadable (VLLM_SERVER_DEV_MODE=1, --weight-transfer-config "
                 f'{{"backend": "{RELOAD_BACKEND}"}})'
             ) from e
+
+    post("pause?mode=keep", {})
+    try:
+        post("start_draft_weight_update", {})
+        post("update_weights", {"update_info": {"path": str(Path(export).resolve())}})
+        post("finish_weight_update", {"weight_version": version})
+    finally:
+        post("resume", {})
