@@ -77,17 +77,21 @@ class DirWeightTransferEngine(_engine_base()):
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
-        """Process the loaded weights again (repacking, as after the first load), then
-        rebuild what the DSpark / DFlash draft derives from them: `load_weights` stacks the
-        KV projections into fused buffers for its context precompute, and inside a
-        layerwise reload it stacked the placeholders (qwen3_dflash.py
-        `_build_fused_kv_buffers`)."""
+        """Process the loaded weights again (as after the first load: a CPU worker repacks
+        each linear weight for its GEMM and leaves the parameter empty), then renew what
+        the DSpark / DFlash draft derives from them (qwen3_dflash.py
+        `_build_fused_kv_buffers`: the norms' weights, and one fused KV weight stacked
+        from the projections). The layerwise reload processes each layer as its weights
+        arrive, so the projections are packed by then: the fused weight is dropped and the
+        context KV goes through each layer's own projection, the path vLLM takes for
+        packed (quantized) projections."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
         inner = getattr(self.model, "model", None)
         if hasattr(inner, "_build_fused_kv_buffers"):
             inner._build_fused_kv_buffers()
+            inner._fused_kv_weight = inner._fused_kv_bias = None
 
     def shutdown(self) -> None:
         pass
