@@ -36,7 +36,18 @@ def engine(monkeypatch, tmp_path) -> SimpleNamespace:
     for v in (0, 1):
         rec.exports.append(tmp_path / f"v{v}" / "export" / "sglang")
         rec.exports[-1].mkdir(parents=True)
+        _weights(rec.exports[-1].parent / "speculators", 128)
     return rec
+
+
+def _weights(spec: Path, width: int) -> None:
+    """A speculators export's tensors (what the in-place update compares), `width` wide."""
+    import torch
+    from safetensors.torch import save_file
+
+    spec.mkdir(parents=True, exist_ok=True)
+    save_file({"fc.weight": torch.zeros(width, 2 * width), "norm.weight": torch.ones(width)},
+              spec / "model.safetensors")  # fmt: skip
 
 
 def _port(url: str) -> int:
@@ -107,3 +118,28 @@ def test_an_attached_deployment_is_loaded_swapped_in_place_and_never_stopped(
     assert any("2 attached server(s)" in s for s in said), said
     with pytest.raises(RecipeError, match="loop.attach.*loop.swap: reload"):
         load_recipe(RECIPE, ["loop.engine=vllm", f"loop.attach=[{urls[0]}]"])
+
+
+def test_a_candidate_whose_tensors_differ_is_refused_before_any_update(
+    engine, tiny_qwen3_dir, tmp_path
+):
+    """An in-place update whose tensors differ in shape from the serving drafter's (vLLM's
+    worker would fail the load and stop its engine) is refused naming the tensor and both
+    shapes, before any member is touched; the members keep serving their version."""
+    from specforge_dspark.loop.round import Loop
+
+    _weights(engine.exports[1].parent / "speculators", 96)  # another draft width
+    recipe = load_recipe(RECIPE, [
+        f"target.path={tiny_qwen3_dir}", f"loop.dir={tmp_path / 'loop'}",
+        f"loop.serve_from={engine.exports[0]}", "loop.engine=vllm", "loop.replicas=2",
+        "loop.swap=reload",
+    ])  # fmt: skip
+    loop = Loop(recipe, log=lambda s: None)
+    try:
+        loop.serve(loop.start(0))
+        version = loop.lineage.add(str(engine.exports[1]), 0, None, round=0)
+        with pytest.raises(ValueError, match=r"first fc.weight: \('F32', \[128, 256\]\) serving"):
+            loop.serve(loop.start(version, engine.exports[1]))
+    finally:
+        loop.front.close()
+    assert engine.updates == [] and {m.version for m in loop.pool} == {0}

@@ -109,6 +109,36 @@ def vllm_generate(
     return list(out["choices"][0]["token_ids"]), spec
 
 
+def tensor_layout(export: str | Path) -> dict[str, tuple[str, list[int]]]:
+    """name -> (dtype, shape) of every tensor in `export`'s *.safetensors, read from the
+    files' headers (no tensor is loaded)."""
+    layout = {}
+    for f in sorted(Path(export).glob("*.safetensors")):
+        with f.open("rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        layout.update(
+            {k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"}
+        )
+    if not layout:
+        raise ValueError(f"{export}: no *.safetensors tensors (not an exported drafter)")
+    return layout
+
+
+def check_same_layout(serving: str | Path, new: str | Path) -> None:
+    """Refuse an in-place update whose tensors differ from the serving drafter's in name,
+    dtype or shape: vLLM's worker fails on such a load and takes its engine down with it."""
+    a, b = tensor_layout(serving), tensor_layout(new)
+    diff = sorted(set(a) ^ set(b)) or sorted(k for k in a if a[k] != b[k])
+    if diff:
+        k = diff[0]
+        raise ValueError(
+            f"in-place update refused: {new} and the serving {serving} differ in "
+            f"{len(diff)} tensor(s), first {k}: {a.get(k, 'absent')} serving, "
+            f"{b.get(k, 'absent')} new (a different draft config needs a restart: loop.swap: "
+            "restart)"
+        )
+
+
 def update_draft(url: str, export: str | Path, version: str, key: str | None = None) -> None:
     """vLLM's draft weight update on a `reloadable` server: the speculators export `export`
     replaces the serving drafter's weights in place. Generation pauses first with its

@@ -33,6 +33,7 @@ from specforge_dspark.decoding.intervals import paired_difference, unpaired_diff
 from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
 from specforge_dspark.engines.sglang import ServerProcess
 from specforge_dspark.engines.spec_server import free_port
+from specforge_dspark.engines.vllm_spec_server import check_same_layout
 from specforge_dspark.loop.front import Front
 from specforge_dspark.loop.gate import Lineage, gate, positions
 from specforge_dspark.loop.logs import ingest_logs
@@ -151,6 +152,9 @@ class Loop:
         if self.recipe.loop.swap == "reload" and self.pool:
             engine = ENGINES[self.recipe.loop.engine]
             export = Path(self.lineage.versions[new.version]["export"]).parent / engine.layout
+            for member in self.pool:  # before any update: a failed load stops vLLM's engine
+                serving = self.lineage.versions[member.version]["export"]
+                check_same_layout(Path(serving).parent / engine.layout, export)
             for member in self.pool:
                 if force or member.version != new.version:
                     engine.update(member.url, export, f"v{new.version}")
