@@ -50,6 +50,15 @@ def _weights(spec: Path, width: int) -> None:
               spec / "model.safetensors")  # fmt: skip
 
 
+def _two_replicas(engine, tiny_qwen3_dir: Path, tmp_path: Path):
+    """The tiny recipe with two vLLM replicas swapped in place, v0 serving."""
+    return load_recipe(RECIPE, [
+        f"target.path={tiny_qwen3_dir}", f"loop.dir={tmp_path / 'loop'}",
+        f"loop.serve_from={engine.exports[0]}", "loop.engine=vllm", "loop.replicas=2",
+        "loop.swap=reload",
+    ])  # fmt: skip
+
+
 def _port(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
 
@@ -61,11 +70,7 @@ def test_a_reload_swap_updates_every_serving_member_in_place(engine, tiny_qwen3_
     front, and only the candidate's own server stops. SGLang has no such update: refused."""
     from specforge_dspark.loop.round import Loop
 
-    recipe = load_recipe(RECIPE, [
-        f"target.path={tiny_qwen3_dir}", f"loop.dir={tmp_path / 'loop'}",
-        f"loop.serve_from={engine.exports[0]}", "loop.engine=vllm", "loop.replicas=2",
-        "loop.swap=reload",
-    ])  # fmt: skip
+    recipe = _two_replicas(engine, tiny_qwen3_dir, tmp_path)
     loop = Loop(recipe, log=lambda s: None)
     try:
         loop.serve(loop.start(0))
@@ -129,11 +134,7 @@ def test_a_candidate_whose_tensors_differ_is_refused_before_any_update(
     from specforge_dspark.loop.round import Loop
 
     _weights(engine.exports[1].parent / "speculators", 96)  # another draft width
-    recipe = load_recipe(RECIPE, [
-        f"target.path={tiny_qwen3_dir}", f"loop.dir={tmp_path / 'loop'}",
-        f"loop.serve_from={engine.exports[0]}", "loop.engine=vllm", "loop.replicas=2",
-        "loop.swap=reload",
-    ])  # fmt: skip
+    recipe = _two_replicas(engine, tiny_qwen3_dir, tmp_path)
     loop = Loop(recipe, log=lambda s: None)
     try:
         loop.serve(loop.start(0))

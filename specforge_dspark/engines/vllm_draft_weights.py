@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 BACKEND = "specforge_dir"
 
@@ -52,13 +53,7 @@ class DirUpdateInfo:
     """A drafter export in the layout the server loaded (config.json + *.safetensors)."""
 
 
-def _engine_base():
-    from vllm.distributed.weight_transfer.base import WeightTransferEngine
-
-    return WeightTransferEngine
-
-
-class DirWeightTransferEngine(_engine_base()):
+class DirWeightTransferEngine(WeightTransferEngine):
     """Loads an exported drafter's tensors from disk into the update's target model."""
 
     init_info_cls = DirInitInfo
