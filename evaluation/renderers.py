@@ -208,17 +208,23 @@ def render_drift(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+LOOP_NAMES = {"loop": "loop", "loop_positions": "loop, mined by position"}
+
+
 def render_loop(res: dict) -> str:
     """The closed loop on shifted traffic, from runs/loop/summary.json."""
     st = res["settings"]
+    first = next(iter(res["table"].values()))
+    names = [n for n in first if n not in ("requests", "base")]
+    head = "".join(f" {LOOP_NAMES.get(n, n)} | {LOOP_NAMES.get(n, n)} - base |" for n in names)
     lines = [
         f"SGLang's accept length (95% intervals; each paired against the base on the same "
         f"requests) of the base drafter, the control (the base trained "
         f"{st['rounds'] * st['steps_per_round']} more steps on its original mix) and the "
         f"loop's serving drafter after {st['rounds']} rounds of {st['requests_per_round']} "
         f"requests; every answer the target's own: {res['lossless']}. " + _source_line(res, "loop"),
-        "| requests | n | base | control | control - base | loop | loop - base |",
-        "|---|---|---|---|---|---|---|",
+        "| requests | n | base |" + head,
+        "|---|---|---|" + "---|---|" * len(names),
     ]
     for group, row in res["table"].items():
         cells = [
@@ -226,19 +232,42 @@ def render_loop(res: dict) -> str:
             str(row["requests"]),
             _cell(row["base"]["accept_length"], row["base"]["ci"]),
         ]
-        for name in ("control", "loop"):
+        for name in names:
             d = row[name]["minus_base"]
             cells.append(_cell(row[name]["accept_length"], row[name]["ci"]))
             cells.append(f"{d['difference']:+.3f} [{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}]")
         lines.append("| " + " | ".join(cells) + " |")
-    rounds = "; ".join(
-        f"round {r['round']}: {'promoted' if r['promoted'] else 'kept'} "
-        f"({sum(r['seconds'].values()):.0f} s: "
-        + ", ".join(f"{k} {v:.0f}" for k, v in r["seconds"].items())
-        + ")"
-        for r in res["rounds"]
-    )
-    return "\n".join(lines) + f"\n\n{rounds}.\n"
+    out = "\n".join(lines) + "\n"
+    held = first  # per draft position, on the held-out shifted traffic
+    for name in (n for n in names if "positions" in held[n]):
+        p = held[name]["positions"]
+        gains = ", ".join(
+            f"{k} {g['difference']:+.3f} [{g['ci'][0]:+.2f}, {g['ci'][1]:+.2f}]"
+            for k, g in enumerate(p["paired_gain"], 1)
+        )
+        out += (f"\n{LOOP_NAMES.get(name, name)} - base, marginal acceptance per draft position "
+                f"({next(iter(res['table']))}): {gains}; improved at {p['improved'] or 'none'}, "
+                f"worse at {p['worse'] or 'none'}.\n")  # fmt: skip
+    for name, v in res.get("variants", {"loop": {"rounds": res["rounds"]}}).items():
+        rounds = "; ".join(
+            f"round {r['round']}: {'promoted' if r['promoted'] else 'kept'} "
+            f"({sum(r['seconds'].values()):.0f} s: "
+            + ", ".join(f"{k} {v:.0f}" for k, v in r["seconds"].items())
+            + ")"
+            for r in v["rounds"]
+        )
+        out += f"\n{LOOP_NAMES.get(name, name)}: {rounds}.\n"
+    s = res.get("stream")
+    if s:
+        out += (
+            f"\nOther users' requests through the loop's address while it ran "
+            f"({LOOP_NAMES['loop']}): {s['requests']} sent, {s['answered']} answered, "
+            f"**{s['failed']} failed or dropped**; {s['started_during_a_swap']} started during "
+            f"its {s['swaps']} swap phases, {s['in_flight_across_a_swap_edge']} in flight "
+            f"across a swap's start or end; each prompt answered the same every time: "
+            f"{s['same_answer_to_each_prompt']}.\n"
+        )
+    return out
 
 
 RENDER = {"demo": render_demo, "bakeoff": render_bakeoff, "quality": render_quality}

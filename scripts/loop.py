@@ -6,11 +6,16 @@ under Triton's interpreter, docs/engines.md):
    "original mix": what a user trained for before serving)
 2. the loop: `python -m specforge_dspark.cli.loop` for ROUNDS rounds on traffic the base
    never saw (MT-Bench, HumanEval and MATH first turns): serve and record, mine, train
-   `--steps` per round from the serving drafter, gate, swap
+   `--steps` per round from the serving drafter, gate, swap. Meanwhile other users
+   (`Users`) send a steady stream of GSM8K requests to the loop's serving address, through
+   every swap: each counted (answered, failed, in flight across a swap) and each answer
+   compared with the first one to the same prompt. With --position-weights the loop runs
+   again from the same base, mining by acceptance per draft position (loop_positions)
 3. control: the base trained the same number of steps on its original mix
 4. judge: SGLang decodes the loop's held-out requests and GSM8K guard prompts with the base
-   (no adaptation), the control and the loop's serving drafter: accept length with 95%
-   intervals, each paired against the base, and whether every answer is the target's own
+   (no adaptation), the control and the loop's serving drafter(s): accept length with 95%
+   intervals, each paired against the base, per draft position too, and whether every
+   answer is the target's own
 
 Writes runs/loop/summary.json (with its provenance), publishable with
 `python -m evaluation.figures publish loop`.
@@ -23,6 +28,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -55,6 +61,101 @@ def original_answers(out: Path) -> Path:
     return path
 
 
+class Users:
+    """Other users' requests through the loop's serving address (its front, found in
+    <loop.dir>/front.json once the loop process `pid` wrote it) while the loop runs: one at
+    a time, `pause_s` apart, each a GSM8K prompt of `prompts` in turn; not recorded by the
+    loop. Counting starts at the first answer (before it the front has no server yet)."""
+
+    def __init__(self, loop_dir: Path, pid: int, prompts: list, stop_ids: set[int],
+                 pause_s: float = 0.5) -> None:  # fmt: skip
+        self.front_file, self.pid, self.prompts = loop_dir / "front.json", pid, prompts
+        self.stop_ids, self.pause_s = stop_ids, pause_s
+        self.log: list[dict] = []  # {"t": [start, end], "prompt", "tokens" or "error"}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _url(self) -> str | None:
+        try:
+            front = json.loads(self.front_file.read_text())
+        except (OSError, ValueError):
+            return None
+        return front["url"] if front["pid"] == self.pid else None
+
+    def _run(self) -> None:
+        from specforge_dspark.loop.serve import ask_sglang
+
+        url, i = None, 0
+        while not self.stop.wait(self.pause_s):
+            url = url or self._url()
+            if url is None:
+                continue
+            t0, k = time.time(), i % len(self.prompts)
+            try:
+                tokens, _ = ask_sglang(url, self.prompts[k], 16, self.stop_ids)
+                self.log.append({"t": [t0, time.time()], "prompt": k, "tokens": tokens})
+            except OSError as e:
+                if self.log:  # counted once the address has answered
+                    self.log.append({"t": [t0, time.time()], "prompt": k, "error": repr(e)})
+                continue
+            i += 1
+
+    def join(self) -> list[dict]:
+        self.stop.set()
+        self.thread.join()
+        return self.log
+
+
+def stream_figures(log: list[dict], rounds: list[dict]) -> dict:
+    """The stream's counts against the rounds' swap phases (wall-clock windows): failed
+    requests, those started during a swap and those in flight across one's start or end;
+    failures after the last phase ended (the loop closing) are reported apart."""
+    swaps = [r["windows"]["swap"] for r in rounds if "swap" in r.get("windows", {})]
+    end = max((w[1] for r in rounds for w in r.get("windows", {}).values()), default=0.0)
+    failed = [q for q in log if "error" in q]
+    first: dict[int, list] = {}
+    same = all(first.setdefault(q["prompt"], q["tokens"]) == q["tokens"] for q in log
+               if "tokens" in q)  # fmt: skip
+    return {
+        "requests": len(log),
+        "answered": len(log) - len(failed),
+        "failed": sum(q["t"][0] <= end for q in failed),
+        "failed_after_the_loop_ended": sum(q["t"][0] > end for q in failed),
+        "started_during_a_swap": sum(any(a <= q["t"][0] <= b for a, b in swaps) for q in log),
+        "in_flight_across_a_swap_edge": sum(
+            any(q["t"][0] < edge < q["t"][1] for w in swaps for edge in w) for q in log
+        ),
+        "swaps": len(swaps),
+        "same_answer_to_each_prompt": same,
+        "errors": [q["error"] for q in failed][:5],
+    }
+
+
+def run_loop(out: Path, name: str, args: list[str], a, prompts, stop_ids) -> dict:
+    """`a.rounds` rounds of the loop in out/<name> (resumed where a kill left it) with the
+    users' stream; the stream's figures (kept with the loop, for a rerun that has no
+    rounds left to run)."""
+    state, kept = out / name / "state.json", out / name / "stream.json"
+    done = json.loads(state.read_text())["round"] if state.is_file() else 0
+    if done >= a.rounds:
+        return json.loads(kept.read_text()) if kept.is_file() else {}
+    cmd = [sys.executable, "-m", "specforge_dspark.cli.loop", "--recipe", RECIPE,
+           "--rounds", str(a.rounds - done), "--nproc", str(a.nproc), *args]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    users = Users(out / name, proc.pid, prompts, stop_ids)
+    code = proc.wait()
+    log = users.join()
+    if code != 0:
+        raise SystemExit(f"the loop exited {code}")
+    rounds = [
+        json.loads(p.read_text()) for p in sorted((out / name / "rounds").glob("*/round.json"))
+    ]
+    figures = stream_figures(log, rounds)
+    kept.write_text(json.dumps(figures, indent=1))
+    return figures
+
+
 def judge(loop, exports: dict[str, str], items) -> dict[str, dict]:
     """Each export served by SGLang in turn, every item decoded: name -> request -> figures."""
     out = {}
@@ -75,13 +176,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=150, help="training steps per round")
     ap.add_argument("--base-steps", type=int, default=300)
     ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--position-weights", default="1,0.5,0.25,0.125",
+                    help="also run the loop mining by these weights per draft position "
+                    "(loop.position_weights; '' for the plain loop alone)")  # fmt: skip
     a = ap.parse_args(argv)
     os.chdir(REPO)
     t0 = time.time()
+    from transformers import AutoTokenizer
+
     from evaluation.figures import provenance
     from specforge_dspark.config.recipe import load_recipe
     from specforge_dspark.decoding.intervals import bootstrap_ci, paired_difference
+    from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
+    from specforge_dspark.loop.gate import Lineage, positions
     from specforge_dspark.loop.round import Loop
+    from specforge_dspark.loop.serve import stop_token_ids
 
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -90,24 +199,35 @@ def main(argv: list[str] | None = None) -> int:
     base = quality.train_budget(RECIPE, original, a.base_steps, out / "base", a.nproc, TRAIN)
 
     demo.step(f"2/4 {a.rounds} rounds of the loop on shifted traffic {TRAFFIC}")
-    loop_args = [
-        "target.backend=hf", "train.preflight_samples=0", "tracking.enabled=false",
-        f"train.output_dir={out / 'loop_runs'}", f"loop.dir={out / 'loop'}",
-        f"loop.serve_from={base['export']}", f"loop.traffic={TRAFFIC}",
-        f"loop.requests_per_round={a.requests}", "loop.max_new_tokens=64",
-        f"loop.steps_per_round={a.steps}", f"loop.rows_per_round={a.requests}",
-        "loop.replay_share=0.3", "loop.holdout_share=0.25", "loop.guard_workloads=[gsm8k]",
-        "loop.guard_prompts=16", f"checkpoint.save_interval={a.steps}",
-        f"data.train_files=[{original}]", "data.format=messages",  # the replay: base's mix
-    ]  # fmt: skip
-    state = out / "loop" / "state.json"
-    done = json.loads(state.read_text())["round"] if state.is_file() else 0
-    t = time.time()
-    if done < a.rounds:
-        cmd = [sys.executable, "-m", "specforge_dspark.cli.loop", "--recipe", RECIPE,
-               "--rounds", str(a.rounds - done), "--nproc", str(a.nproc), *loop_args]  # fmt: skip
-        subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    loop_s = time.time() - t
+
+    def loop_args(name: str) -> list[str]:
+        return [
+            "target.backend=hf", "train.preflight_samples=0", "tracking.enabled=false",
+            f"train.output_dir={out / (name + '_runs')}", f"loop.dir={out / name}",
+            f"loop.serve_from={base['export']}", f"loop.traffic={TRAFFIC}",
+            f"loop.requests_per_round={a.requests}", "loop.max_new_tokens=64",
+            f"loop.steps_per_round={a.steps}", f"loop.rows_per_round={a.requests}",
+            "loop.replay_share=0.3", "loop.holdout_share=0.25", "loop.guard_workloads=[gsm8k]",
+            "loop.guard_prompts=16", f"checkpoint.save_interval={a.steps}",
+            f"data.train_files=[{original}]", "data.format=messages",  # the replay: base's mix
+        ]  # fmt: skip
+
+    recipe = load_recipe(RECIPE, loop_args("loop"))
+    tokenizer = AutoTokenizer.from_pretrained(recipe.target.path)
+    stop_ids = stop_token_ids(recipe.target.path, tokenizer)
+    users = [
+        render(tokenizer, [{"role": "user", "content": c.turns[0]}])
+        for c in load_conversations(parse_workload("gsm8k"), 24)[16:]
+    ]  # not the guard's
+    variants = {"loop": loop_args("loop")}
+    if a.position_weights:  # the same loop, mining by acceptance per draft position
+        weights = f"loop.position_weights=[{a.position_weights}]"
+        variants["loop_positions"] = [*loop_args("loop_positions"), weights]
+    t, stream, loop_s = time.time(), {}, {}
+    for name, args in variants.items():
+        t = time.time()
+        stream[name] = run_loop(out, name, args, a, users, stop_ids)
+        loop_s[name] = round(time.time() - t, 1)
 
     demo.step("3/4 control: the base trained as many steps on its original mix")
     from_base = (*TRAIN, f"draft.init_from={base['export']}")
@@ -115,11 +235,13 @@ def main(argv: list[str] | None = None) -> int:
                                    from_base)  # fmt: skip
 
     demo.step("4/4 SGLang decodes the held-out traffic and the guard prompts with each")
-    loop = Loop(load_recipe(RECIPE, loop_args), loop_args, a.nproc)
+    loop = Loop(recipe, loop_args("loop"), a.nproc)
     items, _ = loop.gate_items()
-    serving = loop.lineage.serving()
-    exports = {"base": base["export"], "control": control["export"], "loop": serving["export"]}
+    exports = {"base": base["export"], "control": control["export"]}
+    for name in variants:
+        exports[name] = Lineage(out / name / "lineage.json").serving()["export"]
     figs = judge(loop, exports, items)
+    loop.close()
 
     def units(name: str, keys) -> dict:
         return {k: (figs[name][k]["completion_tokens"] - 1, max(figs[name][k]["verify_ct"], 1))
@@ -136,26 +258,30 @@ def main(argv: list[str] | None = None) -> int:
             row[name] = {"accept_length": round(sum(c) / sum(n), 4), "ci": bootstrap_ci(c, n)}
             if name != "base":
                 row[name]["minus_base"] = paired_difference(u, units("base", keys))
+                row[name]["positions"] = positions(*({k: figs[d][k] for k in keys}
+                                                     for d in ("base", name)))  # fmt: skip
         table[group] = {"requests": len(keys), **row}
     lossless = all(figs[n][k]["tokens"] == figs["base"][k]["tokens"] for n in exports
                    for k, _ in items)  # fmt: skip
-    kept = sorted((out / "loop" / "rounds").glob("*/round.json"), key=lambda p: int(p.parent.name))
-    rounds = [json.loads(p.read_text()) for p in kept]
+
+    def rounds_of(name: str) -> list[dict]:
+        kept = sorted((out / name / "rounds").glob("*/round.json"),
+                      key=lambda p: int(p.parent.name))  # fmt: skip
+        return [{"round": r["round"], "seconds": r["seconds"], "promoted": r["gate"]["promote"],
+                 "why": r["gate"]["why"], "mined": r["mine"]["mined"],
+                 "replayed": r["mine"]["replayed"], "rank": r["mine"].get("rank"),
+                 "front": r.get("front")}
+                for r in (json.loads(p.read_text()) for p in kept)]  # fmt: skip
+
     summary = {
         "table": table,
         "lossless": lossless,
-        "rounds": [
-            {
-                "round": r["round"],
-                "seconds": r["seconds"],
-                "promoted": r["gate"]["promote"],
-                "why": r["gate"]["why"],
-                "mined": r["mine"]["mined"],
-                "replayed": r["mine"]["replayed"],
-            }
-            for r in rounds
-        ],  # fmt: skip
-        "serving_version": serving["version"],
+        "rounds": rounds_of("loop"),
+        "variants": {
+            n: {"rounds": rounds_of(n), "stream": stream[n], "seconds": loop_s[n]} for n in variants
+        },  # fmt: skip
+        "stream": stream["loop"],
+        "serving_version": Lineage(out / "loop" / "lineage.json").serving()["version"],
         "settings": {
             "rounds": a.rounds,
             "requests_per_round": a.requests,
@@ -163,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
             "base_steps": a.base_steps,
             "traffic": TRAFFIC,
             "recipe": RECIPE,
+            "position_weights": a.position_weights,
         },  # fmt: skip
-        "loop_seconds": round(loop_s, 1),
+        "loop_seconds": loop_s["loop"],
         "seconds": round(time.time() - t0, 1),
         "provenance": provenance(
             ["python", "scripts/loop.py", *(sys.argv[1:] if argv is None else argv)]

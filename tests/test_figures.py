@@ -202,8 +202,17 @@ def test_the_loop_block_shows_each_drafter_paired_against_the_base(tmp_path):
         "provenance": {"date": "2026-12-04", "commit": "abc1234", "machine": "m",
                        "command": "python scripts/loop.py"},
     }  # fmt: skip
+    gain = [{"difference": 0.2, "ci": [0.1, 0.3], "better": "a"},
+            {"difference": -0.01, "ci": [-0.05, 0.03], "better": None}]  # fmt: skip
+    res["table"]["shifted traffic (held out)"]["loop"]["positions"] = {
+        "paired_gain": gain, "improved": [1], "worse": []}  # fmt: skip
+    res["stream"] = {"requests": 50, "answered": 50, "failed": 0, "started_during_a_swap": 4,
+                     "swaps": 2, "in_flight_across_a_swap_edge": 1,
+                     "same_answer_to_each_prompt": True}  # fmt: skip
     (tmp_path / "loop.json").write_text(json.dumps(res))
     out = figures.render("<!-- figures:loop -->\n<!-- /figures:loop -->\n", tmp_path)
+    assert "1 +0.200 [+0.10, +0.30], 2 -0.010 [-0.05, +0.03]; improved at [1], worse at none" in out
+    assert "50 sent, 50 answered, **0 failed or dropped**; 4 started during its 2 swap" in out
     row = next(line for line in out.splitlines() if line.startswith("| shifted"))
     assert row == (
         "| shifted traffic (held out) | 9 | 2.100 [1.90, 2.30] | 2.150 [1.90, 2.40] "

@@ -14,7 +14,13 @@ import pytest
 from specforge_dspark.config.recipe import RecipeError, load_recipe
 from specforge_dspark.loop.gate import Lineage, gate
 from specforge_dspark.loop.mine import held_out, mine
-from specforge_dspark.loop.records import Journal, record, served_accept_length, served_figures
+from specforge_dspark.loop.records import (
+    Journal,
+    position_score,
+    record,
+    served_accept_length,
+    served_figures,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -89,6 +95,29 @@ def test_the_report_gives_served_acceptance_per_draft_position_before_and_after_
     assert by["mined"] == pytest.approx([1 / 4, 0.0])
 
 
+def test_position_weights_rank_by_the_positions_that_matter():
+    """loop.position_weights: a request that often fails the first draft but accepts the
+    whole block otherwise serves 2.5 tokens a step, one that always accepts exactly one
+    draft 2.0; by accept length the second is mined first, by position 1 alone the first."""
+
+    def row(i: int, hist: list[int]) -> dict:
+        committed = sum((j + 1) * n for j, n in enumerate(hist))
+        meta = {"completion_tokens": 1 + committed, "spec_verify_ct": sum(hist),
+                "spec_correct_drafts_histogram": hist}  # fmt: skip
+        return record(f"r{i}", [{"role": "user", "content": "q"}], "a", served_figures(meta),
+                      "v0", "sglang")  # fmt: skip
+
+    traffic = [row(0, [2, 0, 0, 2]), row(1, [0, 4, 0, 0])]
+    assert [served_accept_length(r) for r in traffic] == [2.5, 2.0]
+    assert position_score(traffic[0]["served"], [1, 1, 1]) == pytest.approx((2 + 2 + 2) / 12)
+    assert position_score(traffic[1]["served"], [1, 0]) == 1.0
+    kw = {"rows": 1, "replay_share": 0, "holdout_share": 0, "used": set(), "seed": 0}
+    assert [r["id"] for r in mine(traffic, [], **kw)[0]] == ["r1"]
+    mix, report = mine(traffic, [], **kw, position_weights=[1.0, 0.0, 0.0])
+    assert [r["id"] for r in mix] == ["r0"] and report["rank"].startswith("position_weights")
+    assert mine(traffic, [], **kw, position_weights=[0.2, 1.0, 1.0])[0][0]["id"] == "r1"
+
+
 def _units(rates: dict[str, float], n: int = 30, seed: int = 0) -> tuple[dict, dict]:
     """request -> (committed, verify steps) at a per-workload rate, with per-request noise."""
     rng = random.Random(seed)
@@ -133,6 +162,10 @@ def test_the_loop_section_is_checked_naming_the_key(tmp_path):
         load_recipe(REPO / "recipes" / "tiny_cpu.yaml", ["loop.no_such=1"])
     with pytest.raises(RecipeError, match="loop.engine"):
         load_recipe(REPO / "recipes" / "tiny_cpu.yaml", ["loop.engine=trt"])
+    with pytest.raises(RecipeError, match="loop.listen must be host:port .* got 'localhost'"):
+        load_recipe(REPO / "recipes" / "tiny_cpu.yaml", ["loop.listen=localhost"])
+    with pytest.raises(RecipeError, match=r"loop.position_weights must be >= 0, not all 0"):
+        load_recipe(REPO / "recipes" / "tiny_cpu.yaml", ["loop.position_weights=[0,0]"])
 
 
 def _fake_generate(reply) -> tuple:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from specforge_dspark.config.recipe import load_recipe
+from specforge_dspark.engines.spec_server import free_port
 from specforge_dspark.loop.front import Front
 from tests.test_loop_core import _fake_generate
 
@@ -132,9 +134,11 @@ def test_the_loop_replaces_its_replicas_one_at_a_time(tiny_qwen3_dir, tmp_path, 
     base.mkdir()
     recipe = load_recipe(REPO / "recipes/tiny_cpu_sglang.yaml", [
         f"target.path={tiny_qwen3_dir}", f"loop.dir={tmp_path / 'loop'}", f"loop.serve_from={base}",
-        "loop.replicas=2",
+        "loop.replicas=2", f"loop.listen=127.0.0.1:{free_port()}",
     ])  # fmt: skip
     loop = Loop(recipe, log=lambda s: None)
+    assert loop.front.url == f"http://{recipe.loop.listen}"  # the address users were told
+    assert json.loads((tmp_path / "loop" / "front.json").read_text())["url"] == loop.front.url
     try:
         assert loop.ensure_serving().version == 0
         stream = _Stream(loop.front.url)
@@ -152,3 +156,44 @@ def test_the_loop_replaces_its_replicas_one_at_a_time(tiny_qwen3_dir, tmp_path, 
         ("start", "v1.1"), ("stop", "v0.1"), ("stop", "v1.0"), ("stop", "v1.1"),
     ]  # fmt: skip
     assert min(e[3] for e in events[2:6] if e[0] == "stop") >= 2  # two serve at every stop
+
+
+def test_closing_the_front_answers_the_requests_in_flight_first():
+    """close() stops taking requests (a new one is refused) and returns only once the one
+    in flight has its answer: the loop stops its servers after that."""
+    got, release, events = threading.Event(), threading.Event(), []
+
+    def reply(path: str, headers, body: dict) -> dict:
+        got.set()
+        release.wait(30)
+        events.append("replied")
+        return {"echo": body}
+
+    backend, url = _fake_generate(reply)
+    front = Front()
+    front.add(url)
+    answers = []
+
+    def client() -> None:
+        req = urllib.request.Request(f"{front.url}/generate", json.dumps({"i": 1}).encode())
+        with urllib.request.urlopen(req, timeout=30) as r:
+            answers.append(json.loads(r.read()))
+
+    asking = threading.Thread(target=client, daemon=True)
+    asking.start()
+    assert got.wait(30)
+    closer = threading.Thread(target=lambda: (front.close(), events.append("closed")), daemon=True)
+    closer.start()
+    refused = None
+    while refused is None:  # the listening socket closes first
+        try:
+            urllib.request.urlopen(f"{front.url}/generate", b"{}", timeout=5).close()
+        except (urllib.error.URLError, ConnectionResetError) as e:
+            # reset: queued as the socket closed, never taken; then refused
+            refused = e if isinstance(getattr(e, "reason", None), ConnectionRefusedError) else None
+    assert closer.is_alive()  # still waiting for the request in flight
+    release.set()
+    closer.join(30)
+    asking.join(30)
+    backend.shutdown()
+    assert events == ["replied", "closed"] and answers == [{"echo": {"i": 1}}]

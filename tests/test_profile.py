@@ -35,7 +35,8 @@ def test_the_profile_counts_positions_as_defined(tmp_path):
 def test_positions_from_an_engines_histogram_match_the_steps():
     """SGLang's spec_correct_drafts_histogram (steps by drafts accepted, as long as the most
     any step accepted) gives the same per-position figures as the steps themselves; the
-    loop's gate pools it over requests and names the positions a candidate improves."""
+    loop's gate pools it over requests and names the positions where a candidate's paired
+    gain is separated from 0, either way."""
     from specforge_dspark.decoding.profile import acceptance_by_position
     from specforge_dspark.loop.gate import positions
 
@@ -50,5 +51,12 @@ def test_positions_from_an_engines_histogram_match_the_steps():
     candidate = {"a": {"accepted_hist": [1, 1, 2]}, "b": {"accepted_hist": [4, 1, 0]}}
     p = positions(serving, candidate)
     assert p["serving"] == [3 / 8, 0.0] and p["candidate"] == [4 / 9, 2 / 9]
-    assert p["improved"] == [1, 2]
-    assert positions(candidate, serving)["improved"] == []
+    # the two requests disagree at position 1 (a gains, b loses): no interval clears 0
+    assert p["paired_gain"][0]["difference"] == round(4 / 9 - 3 / 8, 4)
+    assert p["improved"] == [] and p["worse"] == []
+    # twelve requests, each better at position 1 and worse at 2 (by different amounts)
+    serving = {f"r{i}": {"accepted_hist": [3 + i % 3, 1, 2]} for i in range(12)}
+    candidate = {f"r{i}": {"accepted_hist": [1, 4 + i % 2, 0]} for i in range(12)}
+    p = positions(serving, candidate)
+    assert (p["improved"], p["worse"]) == ([1], [2])
+    assert positions(candidate, serving)["improved"] == [2]

@@ -347,6 +347,14 @@ class LoopRecipe:
     servers replace the old one at a time behind the front; reload (vLLM only): each
     serving server loads the new drafter's weights in place through vLLM's draft weight
     update (engines/vllm_draft_weights.py), no server started or stopped."""
+    listen: str = "127.0.0.1:0"
+    """host:port of the loop's one serving address (its front: the address users send
+    requests to through every swap); port 0 takes a free port. The address is logged and
+    written to <loop.dir>/front.json."""
+    position_weights: list[float] = field(default_factory=list)
+    """Mining's rank by draft position: weight k is position k + 1's; a request's score is
+    its weighted marginal acceptance per position (the engine's own histogram), lowest
+    mined first. Empty: ranked by served accept length (all positions alike)."""
     attach: list[str] = field(default_factory=list)
     """URLs of a running vLLM deployment the loop did not start (each started reloadable:
     docs/loop.md), serving loop.serve_from: the loop's replicas instead of its own; each

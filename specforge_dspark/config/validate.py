@@ -201,6 +201,12 @@ def validate(r: Recipe) -> list[str]:
     need(lp.swap != "reload" or lp.engine == "vllm",
          f"loop.swap: reload needs loop.engine: vllm (its draft weight update); {lp.engine} "
          "swaps by restart")  # fmt: skip
+    host, _, port = lp.listen.rpartition(":")
+    need(bool(host) and port.isdigit() and int(port) < 65536,
+         f"loop.listen must be host:port (port 0: any free one), got {lp.listen!r}")  # fmt: skip
+    w = lp.position_weights
+    need(not w or (min(w) >= 0 and sum(w) > 0),
+         f"loop.position_weights must be >= 0, not all 0, got {lp.position_weights}")  # fmt: skip
     need(not lp.attach or lp.swap == "reload",
          "loop.attach: a deployment the loop did not start is swapped in place only: set "
          "loop.swap: reload (and loop.engine: vllm)")  # fmt: skip

@@ -2,8 +2,9 @@
 replicas), so that a swap drops no request: every request is forwarded to the member with
 the fewest in flight; `replace(old, new)` puts `new` in `old`'s place and returns once
 `old` has none in flight, and only then is the old server stopped (loop/round.py: one
-member at a time, a rolling restart). Requests and their answers pass through unchanged
-(the API key header included)."""
+member at a time, a rolling restart). `close()` takes no new request and returns once
+every request taken is answered. Requests and their answers pass through unchanged (the
+API key header included)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class Front:
         self.timeout_s = timeout_s
         self.inflight: Counter[str] = Counter()
         self.counts = {"forwarded": 0, "failed": 0}
+        self.open = 0  # requests taken and not yet answered to their clients
         self.cond = threading.Condition()
         self.server = ThreadingHTTPServer((host, port), self._handler())
         self.server.daemon_threads = True
@@ -59,9 +61,12 @@ class Front:
             busy = {o: self.inflight[o] for o in olds if self.inflight[o]}
             raise TimeoutError(f"front: requests still in flight at {busy} after {timeout_s:g}s")
 
-    def close(self) -> None:
+    def close(self, drain_timeout_s: float = 600.0) -> None:
+        """No new request is taken; returns once those in flight are answered."""
         self.server.shutdown()
         self.server.server_close()
+        with self.cond:
+            self.cond.wait_for(lambda: self.open == 0, drain_timeout_s)
 
     def _forward(self, method: str, path: str, headers: dict, body: bytes | None):
         with self.cond:
@@ -95,6 +100,16 @@ class Front:
             protocol_version = "HTTP/1.1"
 
             def _relay(self, method: str) -> None:
+                with front.cond:
+                    front.open += 1
+                try:
+                    self._answer(method)
+                finally:
+                    with front.cond:
+                        front.open -= 1
+                        front.cond.notify_all()
+
+            def _answer(self, method: str) -> None:
                 n = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(n) if n else None
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
@@ -106,6 +121,7 @@ class Front:
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
+                self.wfile.flush()
 
             def do_GET(self):  # noqa: N802
                 self._relay("GET")

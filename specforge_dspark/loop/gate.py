@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from specforge_dspark.decoding.intervals import paired_difference
-from specforge_dspark.loop.records import pooled_acceptance
+from specforge_dspark.decoding.prompts import load_conversations, parse_workload
+from specforge_dspark.loop.mine import held_out
+from specforge_dspark.loop.records import pooled_acceptance, reached
 
 
 @dataclass
@@ -53,15 +55,42 @@ def gate(
     return Decision(True, f"{gain}; no workload loses more than {forget_margin}", overall, per)
 
 
-def positions(serving: dict, candidate: dict) -> dict:
-    """Per draft position, each drafter's marginal acceptance pooled over the gate's
-    requests (request -> the engine's figures with `accepted_hist`), up to the most drafts
-    any step accepted, and the positions (1-based) where the candidate's is higher."""
+def gate_items(rows: list[dict], lp) -> tuple[list[tuple[str, list[dict]]], dict[str, str]]:
+    """The gate's requests, (id, messages) and id -> workload: every held-out recorded
+    request (`rows`: the journal's) and `lp.guard_prompts` of each `lp.guard_workloads`."""
+    items, workload_of = [], {}
+    for row in rows:
+        if held_out(row["id"], lp.holdout_share):
+            items.append((row["id"], row["messages"][:-1]))
+            workload_of[row["id"]] = row["workload"]
+    for spec in lp.guard_workloads:
+        w = parse_workload(spec)
+        for conv in load_conversations(w, lp.guard_prompts):
+            rid = f"guard:{w.name}:{conv.index}"
+            items.append((rid, [{"role": "user", "content": conv.turns[0]}]))
+            workload_of[rid] = w.name
+    return items, workload_of
+
+
+def positions(serving: dict, candidate: dict, level: float = 0.95) -> dict:
+    """Per draft position, each drafter's marginal acceptance pooled over the same requests
+    (request -> the engine's figures with `accepted_hist`), up to the most drafts any step
+    accepted; the candidate's paired gain at each position (units: a request's steps that
+    reached it, its steps) and the positions (1-based) whose interval lies above 0 (improved)
+    or below (worse)."""
     figs = [f for d in (serving, candidate) for f in d.values()]
     drafts = max([len(f["accepted_hist"]) for f in figs] or [1]) - 1
     s, c = (pooled_acceptance(list(d.values()), drafts) for d in (serving, candidate))
-    improved = [k + 1 for k in range(drafts) if (c[k] or 0.0) > (s[k] or 0.0)]
-    return {"serving": s, "candidate": c, "improved": improved}
+    gain = [
+        paired_difference(*({r: reached(f, k) for r, f in d.items()} for d in (candidate, serving)),
+                          level=level)
+        for k in range(1, drafts + 1)
+    ]  # fmt: skip
+    return {
+        "serving": s, "candidate": c, "paired_gain": gain,
+        "improved": [k for k, g in enumerate(gain, 1) if g["better"] == "a"],
+        "worse": [k for k, g in enumerate(gain, 1) if g["better"] == "b"],
+    }  # fmt: skip
 
 
 class Lineage:

@@ -12,7 +12,11 @@ import random
 from pathlib import Path
 from typing import Any
 
-from specforge_dspark.loop.records import pooled_acceptance, served_accept_length
+from specforge_dspark.loop.records import (
+    pooled_acceptance,
+    position_score,
+    served_accept_length,
+)
 
 
 def held_out(request_id: str, share: float) -> bool:
@@ -36,10 +40,12 @@ def mine(
     holdout_share: float,
     used: set[str],
     seed: int,
+    position_weights: list[float] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(the mix, a report). The mix: round(rows x (1 - replay_share)) recorded requests not
-    in `used` nor held out, lowest served accept length first (ties by id), then the
-    replay rows drawn with `seed`; fewer when the traffic runs short (the report says)."""
+    in `used` nor held out, lowest served accept length first (with `position_weights`:
+    lowest weighted acceptance per draft position; ties by id), then the replay rows drawn
+    with `seed`; fewer when the traffic runs short (the report says)."""
     if not 0 <= replay_share <= 1 or rows < 1:
         raise ValueError(
             f"mine: rows {rows} must be >= 1 and replay_share {replay_share} in [0, 1]"
@@ -47,7 +53,10 @@ def mine(
     fresh = [r for r in traffic if r["id"] not in used and not held_out(r["id"], holdout_share)]
     scored = [(served_accept_length(r), r["id"], r) for r in fresh]
     scored = [s for s in scored if s[0] is not None]
-    scored.sort(key=lambda s: (s[0], s[1]))
+    if position_weights:
+        scored.sort(key=lambda s: (position_score(s[2]["served"], position_weights), s[1]))
+    else:
+        scored.sort(key=lambda s: (s[0], s[1]))
     want = round(rows * (1 - replay_share))
     drafts = max([len(s[2]["served"]["accepted_hist"]) for s in scored] or [1]) - 1
     picked = [r for _, _, r in scored[:want]]
@@ -59,6 +68,9 @@ def mine(
         "mined": len(picked),
         "replayed": n_replay,
         "short_by": max(0, want - len(picked)),
+        "rank": f"position_weights {position_weights}"
+        if position_weights
+        else "served accept length",
         "served_accept_length": {
             "all_new_traffic": quantiles([s[0] for s in scored]),
             "mined": quantiles([served_accept_length(r) for r in picked]),

@@ -47,6 +47,23 @@ def served_accept_length(row: dict) -> float | None:
     return (s["completion_tokens"] - 1) / s["verify_ct"] if s["verify_ct"] else None
 
 
+def reached(figures: dict[str, Any], k: int) -> tuple[int, int]:
+    """(verify steps of one request's figures that accepted at least k drafts, its verify
+    steps): its marginal acceptance at draft position k as a unit of paired intervals."""
+    hist = figures["accepted_hist"]
+    return sum(hist[k:]), sum(hist)
+
+
+def position_score(figures: dict[str, Any], weights: list[float]) -> float | None:
+    """A request's marginal acceptance per draft position (1-based k: weights[k - 1])
+    averaged with `weights`; None without verify steps."""
+    steps = sum(figures["accepted_hist"])
+    if not steps:
+        return None
+    weighted = sum(w * reached(figures, k)[0] for k, w in enumerate(weights, 1))
+    return weighted / (steps * sum(weights))
+
+
 def pooled_acceptance(figures: list[dict[str, Any]], drafts: int) -> list[float | None]:
     """Marginal acceptance per draft position of requests' served figures pooled: the
     share of their verify steps that accepted at least k + 1 drafts (index k)."""

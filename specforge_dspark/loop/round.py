@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from specforge_dspark.decoding.intervals import paired_difference, unpaired_difference
-from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
+from specforge_dspark.decoding.prompts import render
 from specforge_dspark.engines.sglang import ServerProcess
 from specforge_dspark.engines.spec_server import free_port
 from specforge_dspark.engines.vllm_spec_server import check_same_layout
 from specforge_dspark.loop.front import Front
-from specforge_dspark.loop.gate import Lineage, gate, positions
+from specforge_dspark.loop.gate import Lineage, gate, gate_items, positions
 from specforge_dspark.loop.logs import ingest_logs
 from specforge_dspark.loop.mine import held_out, mine, replay_rows
 from specforge_dspark.loop.records import Journal
@@ -95,7 +95,10 @@ class Loop:
         self.tokenizer = AutoTokenizer.from_pretrained(t.path)
         self.stop_ids = stop_token_ids(t.path, self.tokenizer)
         self.pool: list[Served] = []  # the serving version's replicas behind the front
-        self.front = Front()  # the serving address users keep through swaps (front.py)
+        host, _, port = lp.listen.rpartition(":")
+        self.front = Front(host, int(port))  # the address users keep through swaps (front.py)
+        write_json(self.root / "front.json", {"url": self.front.url, "pid": os.getpid()})
+        self.log(f"loop: the serving address is {self.front.url}")
         self.candidate: Served | None = None  # judged by the gate, served or stopped by the swap
 
     # -- bookkeeping ----------------------------------------------------------------
@@ -174,33 +177,35 @@ class Loop:
             self.pool = members + old[i + 1 :]
 
     def close(self) -> None:
+        self.front.close()  # the requests in flight are answered before their servers stop
         for member in self.pool:
             if member.proc is not None:  # an attached server serves on
                 member.proc.stop()
         self.pool = []
-        self.front.close()
 
     # -- one round ----------------------------------------------------------------
     def run_round(self, stop_after: str | None = None) -> dict | None:
         """The current round's remaining phases (up to `stop_after`); its round.json once
         the swap is done."""
-        rd, times = self.round_dir(), {}
-        times_path = rd / "times.json"
-        if times_path.is_file():
-            times = json.loads(times_path.read_text())
+        rd, times_path = self.round_dir(), self.round_dir() / "times.json"
+        times = json.loads(times_path.read_text()) if times_path.is_file() else {}
+        seconds, windows = times.setdefault("seconds", {}), times.setdefault("windows", {})
         for phase in PHASES:
             if phase in self.state["done"]:
                 continue
-            t0 = time.monotonic()
+            t0, wall = time.monotonic(), time.time()
             getattr(self, f"_{phase}")(rd)
-            times[phase] = round(times.get(phase, 0) + time.monotonic() - t0, 1)
+            seconds[phase] = round(seconds.get(phase, 0) + time.monotonic() - t0, 1)
+            windows[phase] = [round(wall, 3), round(time.time(), 3)]  # its last run's
             write_json(times_path, times)
             self._done(phase)
             if phase == stop_after and phase != PHASES[-1]:
                 return None
         summary = {
             "round": int(rd.name),
-            "seconds": times,
+            "seconds": seconds,
+            "windows": windows,  # wall-clock [start, end] of each phase
+            "front": dict(self.front.counts),  # requests through the address since start
             "mine": json.loads((rd / "mine.json").read_text()),
             "gate": json.loads((rd / "gate.json").read_text()),
             "serving_after": self.lineage.serving()["version"],
@@ -278,7 +283,8 @@ class Loop:
         lp = self.recipe.loop
         mix, report = mine(self.journal.rows(), replay_rows(self.recipe), lp.rows_per_round,
                            lp.replay_share, lp.holdout_share, set(self.state["used"]),
-                           seed=self.state["round"])  # fmt: skip
+                           seed=self.state["round"],
+                           position_weights=lp.position_weights)  # fmt: skip
         if not report["mined"]:
             raise RuntimeError(
                 f"loop: round {self.state['round']}: no recorded request left to train on "
@@ -328,20 +334,7 @@ class Loop:
         return out
 
     def gate_items(self) -> tuple[list[tuple[str, list[dict]]], dict[str, str]]:
-        """The gate's requests: every held-out recorded request and the guard prompts."""
-        lp = self.recipe.loop
-        items, workload_of = [], {}
-        for row in self.journal.rows():
-            if held_out(row["id"], lp.holdout_share):
-                items.append((row["id"], row["messages"][:-1]))
-                workload_of[row["id"]] = row["workload"]
-        for spec in lp.guard_workloads:
-            w = parse_workload(spec)
-            for conv in load_conversations(w, lp.guard_prompts):
-                rid = f"guard:{w.name}:{conv.index}"
-                items.append((rid, [{"role": "user", "content": conv.turns[0]}]))
-                workload_of[rid] = w.name
-        return items, workload_of
+        return gate_items(self.journal.rows(), self.recipe.loop)
 
     def _gate(self, rd: Path) -> None:
         export = rd / "train" / "export" / "sglang"
