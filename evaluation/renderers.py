@@ -239,7 +239,12 @@ def render_loop(res: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     out = "\n".join(lines) + "\n"
     held = first  # per draft position, on the held-out shifted traffic
-    for name in (n for n in names if "positions" in held[n]):
+    for group, row in res["table"].items():
+        d = row.get("loop_positions", {}).get("minus_loop")
+        if d:
+            out += (f"\nloop, mined by position - loop ({group}, paired): {d['difference']:+.3f} "
+                    f"[{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}].\n")  # fmt: skip
+    for name in (n for n in names if n.startswith("loop") and "positions" in held[n]):
         p = held[name]["positions"]
         gains = ", ".join(
             f"{k} {g['difference']:+.3f} [{g['ci'][0]:+.2f}, {g['ci'][1]:+.2f}]"

@@ -260,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
                 row[name]["minus_base"] = paired_difference(u, units("base", keys))
                 row[name]["positions"] = positions(*({k: figs[d][k] for k in keys}
                                                      for d in ("base", name)))  # fmt: skip
+        if "loop_positions" in row:  # the two ranks of mining, paired on the same requests
+            row["loop_positions"]["minus_loop"] = paired_difference(
+                units("loop_positions", keys), units("loop", keys)
+            )
         table[group] = {"requests": len(keys), **row}
     lossless = all(figs[n][k]["tokens"] == figs["base"][k]["tokens"] for n in exports
                    for k, _ in items)  # fmt: skip
