@@ -39,7 +39,7 @@ export VLLM_NO_USAGE_STATS := 1
 export PYTHONUNBUFFERED := 1
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup deepspeed-ops mooncake-libs vllm-venv sglang-venv specforge-venv demo quality bakeoff loop drift incumbent test test-quick lint format bench tiny-target tiny-targets clean clean-runs
+.PHONY: setup deepspeed-ops mooncake-libs vllm-venv sglang-venv specforge-venv demo quality bakeoff loop loop-vllm drift incumbent test test-quick lint format bench tiny-target tiny-targets clean clean-runs
 
 setup: $(STAMP)
 
@@ -135,6 +135,10 @@ bakeoff: setup tiny-target
 # steps on the original mix (runs/loop/summary.json); publish with figures publish loop.
 loop: setup tiny-targets sglang-venv
 	$(PY) scripts/loop.py --nproc $(NPROC)
+
+# The same loop served, swapped in place and judged by vLLM (runs/loop_vllm/summary.json).
+loop-vllm: setup tiny-targets vllm-venv
+	$(PY) scripts/loop.py --nproc $(NPROC) --engine vllm --position-weights ''
 
 # Drift on a quantized target: the tiny target's NVFP4 copy against the original, and the
 # demo's drafter against one trained online from the copy, both decoded on the copy

@@ -37,6 +37,7 @@ PUBLISHED = {
     "quality": ("runs/quality", "learning_curve.png", "docs/quality_learning_curve.png"),
     "drift": ("runs/drift", "", ""),
     "loop": ("runs/loop", "", ""),
+    "loop_vllm": ("runs/loop_vllm", "", ""),
     "incumbent": ("runs/incumbent", "", ""),
     # the candidates measured one by one (scripts/incumbent.py --variants ...; runs/incumbent)
     "incumbent_ladder": ("runs/incumbent", "", ""),

@@ -211,18 +211,20 @@ def render_drift(res: dict) -> str:
 LOOP_NAMES = {"loop": "loop", "loop_positions": "loop, mined by position"}
 
 
-def render_loop(res: dict) -> str:
-    """The closed loop on shifted traffic, from runs/loop/summary.json."""
+def render_loop(res: dict, name: str = "loop") -> str:
+    """The closed loop on shifted traffic, from runs/loop/summary.json (runs/loop_vllm/: the
+    same with vLLM, `name` loop_vllm)."""
     st = res["settings"]
+    engine = {"sglang": "SGLang", "vllm": "vLLM"}[st.get("engine", "sglang")]
     first = next(iter(res["table"].values()))
     names = [n for n in first if n not in ("requests", "base")]
     head = "".join(f" {LOOP_NAMES.get(n, n)} | {LOOP_NAMES.get(n, n)} - base |" for n in names)
     lines = [
-        f"SGLang's accept length (95% intervals; each paired against the base on the same "
+        f"{engine}'s accept length (95% intervals; each paired against the base on the same "
         f"requests) of the base drafter, the control (the base trained "
         f"{st['rounds'] * st['steps_per_round']} more steps on its original mix) and the "
         f"loop's serving drafter after {st['rounds']} rounds of {st['requests_per_round']} "
-        f"requests; every answer the target's own: {res['lossless']}. " + _source_line(res, "loop"),
+        f"requests; every answer the target's own: {res['lossless']}. " + _source_line(res, name),
         "| requests | n | base |" + head,
         "|---|---|---|" + "---|---|" * len(names),
     ]
@@ -278,6 +280,7 @@ def render_loop(res: dict) -> str:
 RENDER = {"demo": render_demo, "bakeoff": render_bakeoff, "quality": render_quality}
 RENDER["drift"] = render_drift
 RENDER["loop"] = render_loop
+RENDER["loop_vllm"] = lambda res: render_loop(res, "loop_vllm")
 
 
 def _signed(d: dict) -> str:

@@ -18,7 +18,9 @@ under Triton's interpreter, docs/engines.md):
    answer is the target's own
 
 Writes runs/loop/summary.json (with its provenance), publishable with
-`python -m evaluation.figures publish loop`.
+`python -m evaluation.figures publish loop`. With `--engine vllm` (`make loop-vllm`) vLLM
+serves, swaps each promoted drafter in place (loop.swap: reload) and judges:
+runs/loop_vllm/summary.json, `publish loop_vllm`.
 """
 
 from __future__ import annotations
@@ -67,9 +69,14 @@ class Users:
     a time, `pause_s` apart, each a GSM8K prompt of `prompts` in turn; not recorded by the
     loop. Counting starts at the first answer (before it the front has no server yet)."""
 
-    def __init__(self, loop_dir: Path, pid: int, prompts: list, stop_ids: set[int],
+    def __init__(self, loop_dir: Path, pid: int, prompts: list, stop_ids: set[int], ask,
                  pause_s: float = 0.5) -> None:  # fmt: skip
-        self.front_file, self.pid, self.prompts = loop_dir / "front.json", pid, prompts
+        self.front_file, self.pid, self.prompts, self.ask = (
+            loop_dir / "front.json",
+            pid,
+            prompts,
+            ask,
+        )
         self.stop_ids, self.pause_s = stop_ids, pause_s
         self.log: list[dict] = []  # {"t": [start, end], "prompt", "tokens" or "error"}
         self.stop = threading.Event()
@@ -84,8 +91,6 @@ class Users:
         return front["url"] if front["pid"] == self.pid else None
 
     def _run(self) -> None:
-        from specforge_dspark.loop.serve import ask_sglang
-
         url, i = None, 0
         while not self.stop.wait(self.pause_s):
             url = url or self._url()
@@ -93,7 +98,7 @@ class Users:
                 continue
             t0, k = time.time(), i % len(self.prompts)
             try:
-                tokens, _ = ask_sglang(url, self.prompts[k], 16, self.stop_ids)
+                tokens, _ = self.ask(url, self.prompts[k], 16, self.stop_ids)
                 self.log.append({"t": [t0, time.time()], "prompt": k, "tokens": tokens})
             except OSError as e:
                 if self.log:  # counted once the address has answered
@@ -132,7 +137,7 @@ def stream_figures(log: list[dict], rounds: list[dict]) -> dict:
     }
 
 
-def run_loop(out: Path, name: str, args: list[str], a, prompts, stop_ids) -> dict:
+def run_loop(out: Path, name: str, args: list[str], a, prompts, stop_ids, ask) -> dict:
     """`a.rounds` rounds of the loop in out/<name> (resumed where a kill left it) with the
     users' stream; the stream's figures (kept with the loop, for a rerun that has no
     rounds left to run)."""
@@ -143,7 +148,7 @@ def run_loop(out: Path, name: str, args: list[str], a, prompts, stop_ids) -> dic
     cmd = [sys.executable, "-m", "specforge_dspark.cli.loop", "--recipe", RECIPE,
            "--rounds", str(a.rounds - done), "--nproc", str(a.nproc), *args]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    users = Users(out / name, proc.pid, prompts, stop_ids)
+    users = Users(out / name, proc.pid, prompts, stop_ids, ask)
     code = proc.wait()
     log = users.join()
     if code != 0:
@@ -157,7 +162,8 @@ def run_loop(out: Path, name: str, args: list[str], a, prompts, stop_ids) -> dic
 
 
 def judge(loop, exports: dict[str, str], items) -> dict[str, dict]:
-    """Each export served by SGLang in turn, every item decoded: name -> request -> figures."""
+    """Each export served by the loop's engine in turn, every item decoded: name -> request ->
+    figures."""
     out = {}
     for name, export in exports.items():
         served = loop.start(-1, export)
@@ -170,7 +176,10 @@ def judge(loop, exports: dict[str, str], items) -> dict[str, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="runs/loop")
+    ap.add_argument("--engine", choices=("sglang", "vllm"), default="sglang",
+                    help="the serving engine and judge (vllm: drafters swapped in place, "
+                    "loop.swap: reload; results in runs/loop_vllm)")  # fmt: skip
+    ap.add_argument("--out", help="default runs/loop, with --engine vllm runs/loop_vllm")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--requests", type=int, default=96, help="served requests per round")
     ap.add_argument("--steps", type=int, default=150, help="training steps per round")
@@ -190,13 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
     from specforge_dspark.loop.gate import Lineage, positions
     from specforge_dspark.loop.round import Loop
-    from specforge_dspark.loop.serve import stop_token_ids
+    from specforge_dspark.loop.serve import ENGINES, stop_token_ids
 
-    out = Path(a.out).resolve()
+    out = Path(a.out or ("runs/loop" if a.engine == "sglang" else "runs/loop_vllm")).resolve()
+    train = TRAIN if a.engine == "sglang" else (*TRAIN, "export.formats=[sglang,speculators]")
     out.mkdir(parents=True, exist_ok=True)
     demo.step("1/4 the base drafter, trained on the target's answers to GSM8K questions")
     original = original_answers(out)
-    base = quality.train_budget(RECIPE, original, a.base_steps, out / "base", a.nproc, TRAIN)
+    base = quality.train_budget(RECIPE, original, a.base_steps, out / "base", a.nproc, train)
 
     demo.step(f"2/4 {a.rounds} rounds of the loop on shifted traffic {TRAFFIC}")
 
@@ -210,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             "loop.replay_share=0.3", "loop.holdout_share=0.25", "loop.guard_workloads=[gsm8k]",
             "loop.guard_prompts=16", f"checkpoint.save_interval={a.steps}",
             f"data.train_files=[{original}]", "data.format=messages",  # the replay: base's mix
+            f"loop.engine={a.engine}", *(["loop.swap=reload"] if a.engine == "vllm" else []),
         ]  # fmt: skip
 
     recipe = load_recipe(RECIPE, loop_args("loop"))
@@ -226,15 +237,15 @@ def main(argv: list[str] | None = None) -> int:
     t, stream, loop_s = time.time(), {}, {}
     for name, args in variants.items():
         t = time.time()
-        stream[name] = run_loop(out, name, args, a, users, stop_ids)
+        stream[name] = run_loop(out, name, args, a, users, stop_ids, ENGINES[a.engine].ask)
         loop_s[name] = round(time.time() - t, 1)
 
     demo.step("3/4 control: the base trained as many steps on its original mix")
-    from_base = (*TRAIN, f"draft.init_from={base['export']}")
+    from_base = (*train, f"draft.init_from={base['export']}")
     control = quality.train_budget(RECIPE, original, a.rounds * a.steps, out / "control", a.nproc,
                                    from_base)  # fmt: skip
 
-    demo.step("4/4 SGLang decodes the held-out traffic and the guard prompts with each")
+    demo.step(f"4/4 {a.engine} decodes the held-out traffic and the guard prompts with each")
     loop = Loop(recipe, loop_args("loop"), a.nproc)
     items, _ = loop.gate_items()
     exports = {"base": base["export"], "control": control["export"]}
@@ -294,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
             "traffic": TRAFFIC,
             "recipe": RECIPE,
             "position_weights": a.position_weights,
+            "engine": a.engine,
+            "swap": "reload" if a.engine == "vllm" else "restart",
         },  # fmt: skip
         "loop_seconds": loop_s["loop"],
         "seconds": round(time.time() - t0, 1),
