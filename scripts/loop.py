@@ -184,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=96, help="served requests per round")
     ap.add_argument("--steps", type=int, default=150, help="training steps per round")
     ap.add_argument("--base-steps", type=int, default=300)
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="answer budget of a request")
+    ap.add_argument("--guard-prompts", type=int, default=16, help="GSM8K prompts at each gate")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--position-weights", default="1,0.5,0.25,0.125",
                     help="also run the loop mining by these weights per draft position "
@@ -215,10 +217,10 @@ def main(argv: list[str] | None = None) -> int:
             "target.backend=hf", "train.preflight_samples=0", "tracking.enabled=false",
             f"train.output_dir={out / (name + '_runs')}", f"loop.dir={out / name}",
             f"loop.serve_from={base['export']}", f"loop.traffic={TRAFFIC}",
-            f"loop.requests_per_round={a.requests}", "loop.max_new_tokens=64",
+            f"loop.requests_per_round={a.requests}", f"loop.max_new_tokens={a.max_new_tokens}",
             f"loop.steps_per_round={a.steps}", f"loop.rows_per_round={a.requests}",
             "loop.replay_share=0.3", "loop.holdout_share=0.25", "loop.guard_workloads=[gsm8k]",
-            "loop.guard_prompts=16", f"checkpoint.save_interval={a.steps}",
+            f"loop.guard_prompts={a.guard_prompts}", f"checkpoint.save_interval={a.steps}",
             f"data.train_files=[{original}]", "data.format=messages",  # the replay: base's mix
             f"loop.engine={a.engine}", *(["loop.swap=reload"] if a.engine == "vllm" else []),
         ]  # fmt: skip
@@ -302,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             "requests_per_round": a.requests,
             "steps_per_round": a.steps,
             "base_steps": a.base_steps,
+            "max_new_tokens": a.max_new_tokens,
+            "guard_prompts": a.guard_prompts,
             "traffic": TRAFFIC,
             "recipe": RECIPE,
             "position_weights": a.position_weights,

@@ -386,4 +386,5 @@ class Loop:
         new = cand if cand is not None else self.start(version)
         new.version = version
         self.serve(new)
-        self.log(f"loop: version {version} now serves at {new.url} (behind {self.front.url})")
+        at = ", ".join(m.url for m in self.pool)  # in place (reload): the same servers
+        self.log(f"loop: version {version} now serves at {at} (behind {self.front.url})")
