@@ -201,3 +201,47 @@ def test_the_plugin_of_a_gpu_server_never_imports_the_cpu_bridges():
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "gpu: []" in r.stdout and "cpu: True" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def test_each_cpu_vllm_server_gets_the_cores_its_live_siblings_use_least(monkeypatch, tmp_path):
+    """Two vLLM CPU workers pinned to one core: the second never came up while the first
+    answered requests (the loop's gate starting a candidate beside the serving server).
+    Each server this process starts takes the least bound cores, and gives them back when
+    it stops; a binding the user set is left alone."""
+    from collections import Counter
+
+    launched: list[dict[str, str]] = []
+
+    class Popen:
+        pid = 12345
+
+        def __init__(self, command, env=None, **kwargs):
+            if server.REAPER not in command:
+                launched.append(env)
+
+    monkeypatch.setattr(server.subprocess, "Popen", Popen)
+    monkeypatch.setattr(server.EngineServer, "stop", lambda self: None)
+    monkeypatch.setattr(vllm, "engine_python", lambda *a: "/engine/python")
+    monkeypatch.setattr(vllm.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(vllm.VLLMServerProcess, "bound", Counter())
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv(vllm.THREADS_BIND, raising=False)
+
+    def start(**kw) -> vllm.VLLMServerProcess:
+        return vllm.VLLMServerProcess("python", [], tmp_path / "v.log", True, "k", **kw)
+
+    a, b = start(), start(extra_env={"VLLM_SERVER_DEV_MODE": "1"})
+    c = start()
+    assert [e[vllm.THREADS_BIND] for e in launched] == ["0", "1", "0"]
+    b.stop()
+    start()
+    assert launched[-1][vllm.THREADS_BIND] == "1"  # b's core, free again
+    a.stop()
+    c.stop()
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    start()
+    assert launched[-1][vllm.THREADS_BIND] == "0-1"
+    start(extra_env={vllm.THREADS_BIND: "1"})
+    monkeypatch.setenv(vllm.THREADS_BIND, "0")
+    start()
+    assert [e[vllm.THREADS_BIND] for e in launched[-2:]] == ["1", "0"]  # the user's binding
