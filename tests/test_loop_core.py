@@ -79,15 +79,17 @@ def test_the_mix_follows_the_shares_lowest_acceptance_first_and_uses_each_record
     assert report3["short_by"] == 30 - report3["mined"] > 0
 
 
-def test_the_report_gives_served_acceptance_per_draft_position_before_and_after_mining():
-    def row(i: int, hist: list[int]) -> dict:
-        committed = sum((j + 1) * n for j, n in enumerate(hist))
-        meta = {"completion_tokens": 1 + committed, "spec_verify_ct": sum(hist),
-                "spec_correct_drafts_histogram": hist}  # fmt: skip
-        return record(f"r{i}", [{"role": "user", "content": "q"}], "a", served_figures(meta),
-                      "v0", "sglang")  # fmt: skip
+def _hist_row(i: int, hist: list[int]) -> dict:
+    """Request r<i> as SGLang would record it: `hist` verify steps by drafts accepted."""
+    committed = sum((j + 1) * n for j, n in enumerate(hist))
+    meta = {"completion_tokens": 1 + committed, "spec_verify_ct": sum(hist),
+            "spec_correct_drafts_histogram": hist}  # fmt: skip
+    return record(f"r{i}", [{"role": "user", "content": "q"}], "a", served_figures(meta), "v0",
+                  "sglang")  # fmt: skip
 
-    traffic = [row(0, [0, 0, 4]), row(1, [3, 1, 0]), row(2, [0, 2, 2])]
+
+def test_the_report_gives_served_acceptance_per_draft_position_before_and_after_mining():
+    traffic = [_hist_row(0, [0, 0, 4]), _hist_row(1, [3, 1, 0]), _hist_row(2, [0, 2, 2])]
     mix, report = mine(traffic, [], rows=1, replay_share=0, holdout_share=0, used=set(), seed=0)
     assert [r["id"] for r in mix] == ["r1"]  # 1 token per step: the worst served
     by = report["served_acceptance_by_position"]  # 12 steps: 3 accepted 0, 3 one, 6 two
@@ -99,15 +101,7 @@ def test_position_weights_rank_by_the_positions_that_matter():
     """loop.position_weights: a request that often fails the first draft but accepts the
     whole block otherwise serves 2.5 tokens a step, one that always accepts exactly one
     draft 2.0; by accept length the second is mined first, by position 1 alone the first."""
-
-    def row(i: int, hist: list[int]) -> dict:
-        committed = sum((j + 1) * n for j, n in enumerate(hist))
-        meta = {"completion_tokens": 1 + committed, "spec_verify_ct": sum(hist),
-                "spec_correct_drafts_histogram": hist}  # fmt: skip
-        return record(f"r{i}", [{"role": "user", "content": "q"}], "a", served_figures(meta),
-                      "v0", "sglang")  # fmt: skip
-
-    traffic = [row(0, [2, 0, 0, 2]), row(1, [0, 4, 0, 0])]
+    traffic = [_hist_row(0, [2, 0, 0, 2]), _hist_row(1, [0, 4, 0, 0])]
     assert [served_accept_length(r) for r in traffic] == [2.5, 2.0]
     assert position_score(traffic[0]["served"], [1, 1, 1]) == pytest.approx((2 + 2 + 2) / 12)
     assert position_score(traffic[1]["served"], [1, 0]) == 1.0
