@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -59,7 +60,7 @@ def provenance(argv: list[str]) -> dict:
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
         "commit": commit + ("+dirty" if dirty else ""),
         "machine": f"{os.cpu_count()}-core CPU, {platform.machine()}, {platform.system()}",
-        "command": " ".join(argv),
+        "command": shlex.join(argv),  # an empty argument shows as ''
     }
 
 
