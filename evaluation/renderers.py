@@ -240,14 +240,13 @@ def render_loop(res: dict, name: str = "loop") -> str:
             cells.append(f"{d['difference']:+.3f} [{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}]")
         lines.append("| " + " | ".join(cells) + " |")
     out = "\n".join(lines) + "\n"
-    held = first  # per draft position, on the held-out shifted traffic
     for group, row in res["table"].items():
         d = row.get("loop_positions", {}).get("minus_loop")
         if d:
             out += (f"\nloop, mined by position - loop ({group}, paired): {d['difference']:+.3f} "
                     f"[{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}].\n")  # fmt: skip
-    for name in (n for n in names if n.startswith("loop") and "positions" in held[n]):
-        p = held[name]["positions"]
+    for name in (n for n in names if n.startswith("loop") and "positions" in first[n]):
+        p = first[name]["positions"]  # per draft position, on the first group (held out)
         gains = ", ".join(
             f"{k} {g['difference']:+.3f} [{g['ci'][0]:+.2f}, {g['ci'][1]:+.2f}]"
             for k, g in enumerate(p["paired_gain"], 1)

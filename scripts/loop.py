@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.position_weights:  # the same loop, mining by acceptance per draft position
         weights = f"loop.position_weights=[{a.position_weights}]"
         variants["loop_positions"] = [*loop_args("loop_positions"), weights]
-    t, stream, loop_s = time.time(), {}, {}
+    stream, loop_s = {}, {}
     for name, args in variants.items():
         t = time.time()
         stream[name] = run_loop(out, name, args, a, users, stop_ids, ENGINES[a.engine].ask)
