@@ -110,10 +110,10 @@ $(DS_SHM_OP): $(STAMP)
 # The tiny Inkling target (the embedded default) and, for the tests, the tiny Qwen3 one
 # (what the CPU SGLang engine serves); each rebuilt only when its build key changes.
 tiny-target: setup
-	$(PY) -m specforge_dspark.tiny --out $(TINY_TARGET)
+	$(PY) -m specforge_dspark.targets --out $(TINY_TARGET)
 
 tiny-targets: tiny-target
-	$(PY) -m specforge_dspark.tiny --arch qwen3 --out $(TINY_QWEN3)
+	$(PY) -m specforge_dspark.targets --arch qwen3 --out $(TINY_QWEN3)
 
 demo: setup tiny-target
 	$(PY) scripts/demo.py --nproc $(NPROC)

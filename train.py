@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from specforge_dspark.cli.parser import command_parser
+from specforge_dspark.config.command_line import command_parser
 from specforge_dspark.config.recipe import Recipe, RecipeError, load_recipe
 from specforge_dspark.training.build import Run, build
 from specforge_dspark.training.drafters import Drafter
@@ -72,11 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.dry_run:
         return dry_run(recipe, args.world_size, args.gpus_per_node)
-    from specforge_dspark.engines.features import TargetLost, TargetRefused
     from specforge_dspark.training.checkpoint import CheckpointWriteError, ResumeError
     from specforge_dspark.training.lifecycle import RunLockError
     from specforge_dspark.training.nonfinite import NonFiniteError
     from specforge_dspark.training.run_status import RunStatus
+    from specforge_dspark.transport.features import TargetLost, TargetRefused
 
     where = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
     status = RunStatus(recipe.train.output_dir, int(os.environ.get("RANK", 0)))
@@ -231,11 +231,10 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
     from specforge_dspark.training.data_order import EVAL_ID, advance, batches
     from specforge_dspark.training.distributed import wait_for_every_rank
     from specforge_dspark.training.drafters import follow, save_all
-    from specforge_dspark.training.eval_pool import EvalPool
     from specforge_dspark.training.lifecycle import StopRequest, watch_launcher
     from specforge_dspark.training.nonfinite import NonFiniteError, NonFiniteGuard
     from specforge_dspark.training.preflight import preflight_run
-    from specforge_dspark.training.served_eval import build_served_eval
+    from specforge_dspark.training.served_eval import EvalPool, build_served_eval
     from specforge_dspark.training.tracking import StepWindow
 
     r, state, eng = run.recipe, run.state, run.engine

@@ -9,4 +9,6 @@ regenerate.py  `python -m data_pipelines.regenerate`: the target answers the pro
 regen_jobs.py  its input rows -> jobs, one per answer ("<id>#k" for further samples)
 backends.py    OpenAI-compatible server, SGLang /generate (asyncio + aiohttp), local hf
 journal.py     exactly-once, resumable jsonl output
+
+Imports: config, engines, targets
 """

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -174,3 +174,15 @@ def _read_parquet(p: Path, label: str) -> Iterator[RawRow]:
     except Exception as e:  # pyarrow raises many kinds; all mean unreadable
         detail = f"{type(e).__name__}: {e} (rows from {row} on could not be read)"
         yield RawRow(label, row, None, error=("unreadable_file", detail), raw="")
+
+
+def batched(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    """`items` in lists of `size` (the last one shorter), as they come."""
+    batch: list[Any] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

@@ -34,7 +34,7 @@ from data_pipelines.formats import FormatConfig
 from data_pipelines.ingest import check_input_file
 from data_pipelines.pipeline import PrepareParams, run_prepare
 from data_pipelines.render import load_tokenizer
-from specforge_dspark.cli.parser import command_parser
+from specforge_dspark.config.command_line import command_parser
 
 PIPELINE_VERSION = 1
 REPO = Path(__file__).resolve().parents[1]
@@ -238,7 +238,7 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-proc", type=int, default=1)
     a = ap.parse_args(argv)
     if not Path(a.tokenizer).is_dir():
-        from specforge_dspark.tiny.target import build as build_target
+        from specforge_dspark.targets.target import build as build_target
 
         build_target(Path(a.tokenizer), log=lambda *x: print(*x, file=sys.stderr))
     params = PrepareParams(

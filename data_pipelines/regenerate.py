@@ -40,10 +40,10 @@ from tqdm.auto import tqdm
 
 from data_pipelines.backends import Answer, OpenAIBackend, RequestError, SGLangBackend
 from data_pipelines.formats import FormatConfig, Message
-from data_pipelines.ingest import count_rows
+from data_pipelines.ingest import batched, count_rows
 from data_pipelines.journal import Journal
 from data_pipelines.regen_jobs import Job, check_ids, jobs
-from specforge_dspark.cli.parser import command_parser
+from specforge_dspark.config.command_line import command_parser
 
 
 class _Conversation:
@@ -139,7 +139,7 @@ def run_hf(todo: Iterator[Job], backend, batch_size: int, journal: Journal, bar)
     """Batches of conversations, turn by turn: turn t of every conversation in the batch
     that has one is generated in one `generate` call."""
     streak = 0  # consecutive batches whose generate raised
-    for batch in _batches(todo, batch_size):
+    for batch in batched(todo, batch_size):
         convs = [_Conversation(j) for j in batch]
         while asking := [c for c in convs if c.advance()]:
             try:
@@ -163,17 +163,6 @@ def run_hf(todo: Iterator[Job], backend, batch_size: int, journal: Journal, bar)
             c.finish(journal)
         bar.update(len(batch))
         bar.set_postfix(errors=journal.errors, refresh=False)
-
-
-def _batches(todo: Iterator[Job], size: int) -> Iterator[list[Job]]:
-    batch: list[Job] = []
-    for job in todo:
-        batch.append(job)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 def _total(files: list[str], max_rows: int, samples: int) -> int | None:

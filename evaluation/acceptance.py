@@ -24,7 +24,7 @@ import torch
 from evaluation.budget import budget_row, verify_budgets
 from evaluation.metrics import accept_length_ci, pooled_speed, speed_stats, step_stats
 from evaluation.report import write_report
-from specforge_dspark.cli.parser import command_parser
+from specforge_dspark.config.command_line import command_parser
 from specforge_dspark.decoding.hf_target import CacheMode, HFTarget
 from specforge_dspark.decoding.loading import DTYPES, check_pair, head_fns, load_drafter
 from specforge_dspark.decoding.prompts import (

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specforge_dspark.cli.parser import command_parser
+from evaluation.report import reliability
+from specforge_dspark.config.command_line import command_parser
 from specforge_dspark.decoding.calibration import calibrate_draft, position_eces
 from specforge_dspark.decoding.sts import BIAS_KEY
 
@@ -108,23 +109,9 @@ def write_plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4.5))
-    ax1.plot([0, 1], [0, 1], color="grey", lw=1)
-    for name, style in (("before", "o--"), ("after_temperature_only", "s:"), ("after", "o-")):
-        bins = report[name]["conditional"]["bins"]
-        ax1.plot(
-            [b["confidence"] for b in bins],
-            [b["accepted"] for b in bins],
-            style,
-            label=f"{name} (ECE {_fmt(report[name]['conditional']['ece'])})",
-        )
-    ax1.set(
-        xlabel="confidence sigmoid(z_k / T_k)",
-        ylabel="observed acceptance",
-        xlim=(0, 1),
-        ylim=(0, 1),
-        title="Reliability, held-out (conditional)",
-    )
-    ax1.legend(fontsize=8)
+    styles = (("before", "o--"), ("after_temperature_only", "s:"), ("after", "o-"))
+    curves = [(name, style, report[name]["conditional"]) for name, style in styles]
+    reliability(ax1, curves, "confidence sigmoid(z_k / T_k)", "Reliability, held-out (conditional)")
     G = report["block_size"]
     width = 0.4
     for i, name in enumerate(("before", "after")):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from specforge_dspark.cli.parser import command_parser
+from specforge_dspark.config.command_line import command_parser
 from specforge_dspark.decoding.intervals import paired_difference
 from specforge_dspark.engines.quant_targets import load_causal_lm
 

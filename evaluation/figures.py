@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from evaluation.renderers import RENDER, render_bakeoff, render_drift  # noqa: F401 (tests)
-from specforge_dspark.cli.parser import command_parser
+from specforge_dspark.config.command_line import command_parser
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "docs" / "results"

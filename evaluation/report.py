@@ -148,24 +148,8 @@ def write_plots(summary: dict, out: Path) -> None:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(5, 5))
-    ax.plot([0, 1], [0, 1], color="grey", lw=1)
-    for name, s in _rows(summary):
-        bins = s["calibration"]["bins"]
-        if bins:
-            ax.plot(
-                [b["confidence"] for b in bins],
-                [b["accepted"] for b in bins],
-                "o-",
-                label=f"{name} (ECE {_num(s['calibration']['ece'], 2)})",
-            )
-    ax.set(
-        xlabel="confidence sigmoid(conf_k)",
-        ylabel="observed acceptance",
-        xlim=(0, 1),
-        ylim=(0, 1),
-        title="Confidence calibration",
-    )
-    ax.legend(fontsize=8)
+    curves = [(name, "o-", s["calibration"]) for name, s in _rows(summary)]
+    reliability(ax, curves, "confidence sigmoid(conf_k)", "Confidence calibration")
     fig.tight_layout()
     fig.savefig(out / "calibration.png", dpi=100)
     plt.close(fig)
@@ -188,6 +172,18 @@ def write_plots(summary: dict, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "accept_length_hist.png", dpi=100)
     plt.close(fig)
+
+
+def reliability(ax, curves: list[tuple[str, str, dict]], xlabel: str, title: str) -> None:
+    """A reliability diagram on `ax`: per (name, style, calibration) the observed acceptance
+    of each confidence bin (`bins`), labelled with its ECE, beside the diagonal."""
+    ax.plot([0, 1], [0, 1], color="grey", lw=1)
+    for name, style, cal in curves:
+        if cal["bins"]:
+            x, y = [b["confidence"] for b in cal["bins"]], [b["accepted"] for b in cal["bins"]]
+            ax.plot(x, y, style, label=f"{name} (ECE {_num(cal['ece'], 2)})")
+    ax.set(xlabel=xlabel, ylabel="observed acceptance", xlim=(0, 1), ylim=(0, 1), title=title)
+    ax.legend(fontsize=8)
 
 
 def write_comparison_plot(results: dict[str, dict], path: Path, baseline: str = "ngram") -> None:

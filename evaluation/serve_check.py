@@ -23,7 +23,6 @@ prompt that disagrees, the verify step, and both token streams.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections import Counter
@@ -31,16 +30,15 @@ from pathlib import Path
 
 import torch
 
-from specforge_dspark.cli.parser import command_parser
+from evaluation.judge import load_harness, side_by_side, write_report
+from specforge_dspark.config.command_line import command_parser
 from specforge_dspark.config.servers import SGLangServer, VLLMServer
-from specforge_dspark.decoding.hf_target import HFTarget
-from specforge_dspark.decoding.loading import DTYPES, check_pair, head_fns, load_drafter
-from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
-from specforge_dspark.decoding.spec_decode import Generation, speculative_generate
+from specforge_dspark.decoding.loading import DTYPES
+from specforge_dspark.decoding.spec_decode import Generation
 from specforge_dspark.drafters.registry import KINDS, kind_of_dir
-from specforge_dspark.engines.spec_server import start_spec_server
 from specforge_dspark.export.conventions import check_conventions
 from specforge_dspark.loop.serve import generate as loop_generate
+from specforge_dspark.serving.sglang import start_spec_server
 
 STS_LOADED = "DSpark STS calibration loaded from"  # SGLang's log line (dspark_planner.py)
 
@@ -128,16 +126,12 @@ def serve_check(
     A DRAFT/sts_calibration.json (evaluation/calibrate.py) is served with it; the report's
     `sts_loaded` says whether SGLang logged loading it."""
     from specforge_dspark.decoding.sts import STS_FILE
-    from specforge_dspark.objective.frozen_head import load_frozen_head
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     check_conventions(draft, target_path=target)
-    drafter = load_drafter(draft, device, DTYPES[dtype])
-    hf = HFTarget.load(target, list(drafter.config.target_layer_ids), "crop", device, DTYPES[dtype])
-    check_pair(drafter, hf)
-    head = load_frozen_head(target, device=device, dtype=DTYPES[dtype])
-    embed_fn, logits_fn = head_fns(head)
+    harness = load_harness(target, draft, device, dtype)
+    eos, logical = harness.target.eos_ids, harness.head.logical_vocab
 
     sts = Path(draft) / STS_FILE
     sts = sts if sts.is_file() else None  # start_spec_server serves it with the draft
@@ -146,30 +140,19 @@ def serve_check(
                                     dtype, sglang_python, tp_size)  # fmt: skip
     start_s = time.monotonic() - t0
     log(f"SGLang {KINDS[kind_of_dir(draft)].algorithm} server ready in {start_s:.0f}s ({url})")
-    rows: list[dict] = []
+
+    def judged(where: str, gen: Generation, served: dict) -> dict:
+        row = compare(where, gen, served)
+        row["sglang"] = served["completion_tokens"]
+        row["drafted"] = sum(len(s.drafts) for s in gen.steps)
+        row["padded_drafts"] = sum(t >= logical for s in gen.steps for t in s.drafts)
+        return row
+
     try:
-        for spec in workloads:
-            workload = parse_workload(spec)
-            for conv in load_conversations(workload, num_prompts):
-                messages: list[dict] = []
-                for turn, text in enumerate(conv.turns):
-                    messages.append({"role": "user", "content": text})
-                    ids = render(hf.tokenizer, messages)
-                    gen = speculative_generate(
-                        hf, drafter, ids, max_new_tokens, embed_fn, logits_fn
-                    )
-                    served = generate(url, ids, max_new_tokens, hf.eos_ids)
-                    where = f"workload {workload.name} prompt {conv.index} turn {turn + 1}"
-                    row = compare(where, gen, served)
-                    row["sglang"] = served["completion_tokens"]
-                    row["drafted"] = sum(len(s.drafts) for s in gen.steps)
-                    row["padded_drafts"] = sum(
-                        t >= head.logical_vocab for s in gen.steps for t in s.drafts
-                    )
-                    rows.append(row)
-                    body = gen.tokens[:-1] if gen.tokens[-1] in hf.eos_ids else gen.tokens
-                    answer = hf.tokenizer.decode(body, skip_special_tokens=True)
-                    messages.append({"role": "assistant", "content": answer})
+        rows, _, _ = side_by_side(
+            harness, workloads, num_prompts, max_new_tokens,
+            lambda ids: generate(url, ids, max_new_tokens, eos), judged,
+        )  # fmt: skip
     finally:
         server.stop()
 
@@ -194,15 +177,11 @@ def serve_check(
         "max_new_tokens": max_new_tokens,
         "tp_size": tp_size,
     }
-    (out / "serve_check.json").write_text(json.dumps(report, indent=1))
-    disagree = [r for r in rows if not r["agree"]]
-    log(
-        f"serve_check: {len(rows) - len(disagree)}/{len(rows)} prompts agree; accept length "
-        f"SGLang {report['sglang_accept_length']}, harness {report['harness_accept_length']}"
+    figures = (
+        f"accept length SGLang {report['sglang_accept_length']}, harness "
+        f"{report['harness_accept_length']}"
     )
-    for r in disagree[:3]:
-        log(explain(r))
-    return report
+    return write_report(out, report, explain, "serve_check", figures, log)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,12 +30,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from evaluation.judge import load_harness, side_by_side, write_report
 from specforge_dspark.config.servers import VLLMServer
-from specforge_dspark.decoding.hf_target import HFTarget
-from specforge_dspark.decoding.loading import DTYPES, check_pair, head_fns, load_drafter
-from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
-from specforge_dspark.decoding.spec_decode import Generation, speculative_generate
-from specforge_dspark.engines.vllm_spec_server import (
+from specforge_dspark.decoding.spec_decode import Generation
+from specforge_dspark.serving.vllm import (
     START_TIMEOUT_S,
     speculative_tokens,
     start_vllm_spec_server,
@@ -118,46 +116,25 @@ def serve_check_vllm(
     log=print,
 ) -> dict:
     """Serve the speculators export `draft` with vLLM, decode with the harness, compare."""
-    from specforge_dspark.objective.frozen_head import load_frozen_head
-
     out, draft = Path(out_dir), Path(draft)
     out.mkdir(parents=True, exist_ok=True)
     harness_draft = Path(harness_draft) if harness_draft else draft.parent / "sglang"
     num_spec = speculative_tokens(draft)
     check_same_weights(draft, harness_draft)
-    drafter = load_drafter(harness_draft, device, DTYPES[dtype])
-    hf = HFTarget.load(target, list(drafter.config.target_layer_ids), "crop", device, DTYPES[dtype])
-    check_pair(drafter, hf)
-    embed_fn, logits_fn = head_fns(load_frozen_head(target, device=device, dtype=DTYPES[dtype]))
+    harness = load_harness(target, harness_draft, device, dtype)
+    eos = harness.target.eos_ids
 
     t0 = time.monotonic()
     server, url = start_vllm_spec_server(target, draft, port, out / "vllm_server.log", device,
                                          dtype, python, START_TIMEOUT_S)  # fmt: skip
-    rows: list[dict] = []
     try:
         start_s = time.monotonic() - t0
         log(f"vLLM DSpark server ready in {start_s:.0f}s ({url})")
-        vllm_s = harness_s = 0.0
-        for spec in workloads:
-            workload = parse_workload(spec)
-            for conv in load_conversations(workload, num_prompts):
-                messages: list[dict] = []
-                for turn, text in enumerate(conv.turns):
-                    messages.append({"role": "user", "content": text})
-                    ids = render(hf.tokenizer, messages)
-                    t1 = time.monotonic()
-                    gen = speculative_generate(
-                        hf, drafter, ids, max_new_tokens, embed_fn, logits_fn
-                    )
-                    t2 = time.monotonic()
-                    tokens, spec = vllm_generate(url, ids, max_new_tokens, hf.eos_ids)
-                    vllm_s += time.monotonic() - t2
-                    harness_s += t2 - t1
-                    where = f"workload {workload.name} prompt {conv.index} turn {turn + 1}"
-                    rows.append(compare(where, gen, tokens, spec, num_spec))
-                    body = gen.tokens[:-1] if gen.tokens[-1] in hf.eos_ids else gen.tokens
-                    answer = hf.tokenizer.decode(body, skip_special_tokens=True)
-                    messages.append({"role": "assistant", "content": answer})
+        rows, harness_s, vllm_s = side_by_side(
+            harness, workloads, num_prompts, max_new_tokens,
+            lambda ids: vllm_generate(url, ids, max_new_tokens, eos),
+            lambda where, gen, served: compare(where, gen, *served, num_spec),
+        )  # fmt: skip
     finally:
         server.stop()
 
@@ -187,14 +164,9 @@ def serve_check_vllm(
         "dtype": dtype,
         "max_new_tokens": max_new_tokens,
     }
-    (out / "serve_check.json").write_text(json.dumps(report, indent=1))
-    disagree = [r for r in rows if not r["agree"]]
-    log(
-        f"serve_check (vllm): {len(rows) - len(disagree)}/{len(rows)} prompts agree; accept "
-        f"length vLLM {report['vllm_accept_length']}, harness {report['harness_accept_length']}; "
-        f"accepted per position vLLM {report['vllm_per_position']}, harness "
-        f"{report['harness_per_position']}"
+    figures = (
+        f"accept length vLLM {report['vllm_accept_length']}, harness "
+        f"{report['harness_accept_length']}; accepted per position vLLM "
+        f"{report['vllm_per_position']}, harness {report['harness_per_position']}"
     )
-    for r in disagree[:3]:
-        log(explain(r))
-    return report
+    return write_report(out, report, explain, "serve_check (vllm)", figures, log)

@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     from evaluation.figures import provenance
     from evaluation.report import write_comparison_plot
     from specforge_dspark.config.recipe import load_recipe
-    from specforge_dspark.tiny.target import build
+    from specforge_dspark.targets.target import build
 
     recipe = load_recipe(RECIPE)
     out = Path(a.out)

@@ -33,7 +33,7 @@ EVAL_REGEN_ROWS = 32  # GSM8K test prompts answered by the target for teacher-fo
 EVAL_SPLIT = (("gsm8k", "mt_bench"), ("math500", "humaneval"))
 # the training prompts the target answers: a mix like the seed drafters' data, from rows
 # the evaluation never reads (evaluation takes the first rows, MATH/HumanEval rows below
-# tiny/corpus.py EVAL_ROWS_RESERVED are evaluation-only); (file, field, first row, count)
+# targets/corpus.py EVAL_ROWS_RESERVED are evaluation-only); (file, field, first row, count)
 PROMPT_MIX = (
     ("train/gsm8k_train.jsonl", "question", 0, 300),
     ("eval/math500_test.jsonl", "problem", 100, 150),
@@ -56,7 +56,7 @@ TRAIN_EXTRAS = (
 
 def prompt_mix(out: Path, mix: tuple = PROMPT_MIX) -> Path:
     """`mix` as one jsonl of user turns (OpenAI messages) for the regeneration."""
-    from specforge_dspark.tiny.corpus import SHARED_DATA
+    from specforge_dspark.targets.corpus import SHARED_DATA
 
     rows = []
     for rel, field, first, count in mix:
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     from evaluation.figures import provenance
     from evaluation.report import write_comparison_plot
     from specforge_dspark.config.recipe import load_recipe, resolved_dirs
-    from specforge_dspark.tiny.target import build
+    from specforge_dspark.targets.target import build
 
     out = Path(a.out)
     base = load_recipe(a.recipe, [f"train.output_dir={a.out}", *a.overrides])

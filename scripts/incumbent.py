@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from evaluation.figures import provenance
     from specforge_dspark.config.recipe import load_recipe
-    from specforge_dspark.tiny.target import build
+    from specforge_dspark.targets.target import build
 
     out = Path(a.out)
     base = load_recipe(RECIPE, [f"train.output_dir={out}"])

@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import demo  # noqa: E402  (scripts/demo.py: regeneration mix format, evaluation, tables)
 
 # (file, field, first row, count): the demo's sources, more of each; evaluation-only rows
-# (the first rows of the eval files, below tiny/corpus.py EVAL_ROWS_RESERVED) are never read
+# (the first rows of the eval files, below targets/corpus.py EVAL_ROWS_RESERVED) are never read
 QUALITY_MIX = (
     ("train/gsm8k_train.jsonl", "question", 0, 1200),
     ("eval/math500_test.jsonl", "problem", 100, 400),
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     from evaluation.figures import provenance
     from evaluation.report import write_learning_curve
     from specforge_dspark.config.recipe import load_recipe
-    from specforge_dspark.tiny.target import build
+    from specforge_dspark.targets.target import build
 
     recipe = load_recipe(a.recipe)
     out = Path(a.out)

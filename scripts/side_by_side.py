@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     from specforge_dspark.config.recipe import load_recipe
     from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
     from specforge_dspark.drafters.registry import new_draft
-    from specforge_dspark.tiny.target import build as build_tiny_target
+    from specforge_dspark.targets.target import build as build_tiny_target
 
     torch.set_num_threads(1)
     out = Path(args.out)

@@ -69,8 +69,8 @@ def write_features(recipe, out: Path) -> Path:
 
     import torch
 
+    from data_pipelines.ingest import batched
     from data_pipelines.prepare import prepare_dataset
-    from specforge_dspark.cli.capture import batched
     from specforge_dspark.training.stream import FeatureStream
 
     if (out / "done").is_file():

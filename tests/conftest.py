@@ -167,7 +167,7 @@ def shared_data() -> Path:
 @pytest.fixture(scope="session")
 def tiny_target_dir() -> Path:
     """The tiny target at .cache/tiny_target, built once (cached by its build key)."""
-    from specforge_dspark.tiny.target import build
+    from specforge_dspark.targets.target import build
 
     return build(REPO / ".cache" / "tiny_target", log=lambda *a: None)
 
@@ -175,7 +175,7 @@ def tiny_target_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir() -> Path:
     """The tiny Qwen3 target at .cache/tiny_qwen3 (what SGLang's CPU engine serves)."""
-    from specforge_dspark.tiny.target import build
+    from specforge_dspark.targets.target import build
 
     return build(REPO / ".cache" / "tiny_qwen3", arch="qwen3", log=lambda *a: None)
 
@@ -275,9 +275,9 @@ def writer_maps(monkeypatch):
     """A fresh slot_writer.SLOTS for the test (the writer side's mappings, a server's, here
     in this process), closed after it: on CUDA they are pinned, and a pinned mapping must
     not outlive its test."""
-    from specforge_dspark.engines.slot_writer import SlotMaps
+    from specforge_dspark.transport.slot_writer import SlotMaps
 
     maps = SlotMaps()
-    monkeypatch.setattr("specforge_dspark.engines.slot_writer.SLOTS", maps)
+    monkeypatch.setattr("specforge_dspark.transport.slot_writer.SLOTS", maps)
     yield maps
     maps.close()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from specforge_dspark.engines.features import post_json
+from specforge_dspark.engines.server import post_json
 
 API_KEY_ENV = "SFDSPARK_TEST_API_KEY"
 """The live test servers listen with the key in this variable of the test process (set

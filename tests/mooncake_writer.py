@@ -16,7 +16,7 @@ import torch
 if len(sys.argv) > 5:
     importlib.metadata.version = lambda name: sys.argv[5]
 
-from specforge_dspark.engines.slot_writer import fail, write_features
+from specforge_dspark.transport.slot_writer import fail, write_features
 
 location, calls = sys.argv[1], json.loads(sys.argv[2])
 D, H = int(sys.argv[3]), int(sys.argv[4])

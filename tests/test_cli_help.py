@@ -19,7 +19,7 @@ COMMANDS = {
     "specforge_dspark.cli.init_recipe": "main",
     "specforge_dspark.cli.capture": "main",
     "specforge_dspark.cli.server_command": "main",
-    "specforge_dspark.tiny.__main__": "main",
+    "specforge_dspark.targets.__main__": "main",
     "specforge_dspark.engines.inkling_layout": "main",
     "data_pipelines.prepare": "main",
     "data_pipelines.regenerate": "main",
@@ -34,7 +34,7 @@ COMMANDS = {
     },  # fmt: skip
 }
 NO_DEFAULTS = {"evaluation.figures", "specforge_dspark.engines.inkling_layout"}  # none to show
-RUN_AS = {"specforge_dspark.tiny.__main__": "specforge_dspark.tiny"}  # its __main__
+RUN_AS = {"specforge_dspark.targets.__main__": "specforge_dspark.targets"}  # its __main__
 
 
 def _help(module: str, fn: str, capsys) -> str:

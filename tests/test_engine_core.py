@@ -1,9 +1,9 @@
 """One engine core, CPU bridges apart (issue 33), checked on the source and in a subprocess.
 
-- Engines share one core (server.py, served.py, tickets.py, slot_writer.py): no module
+- Engines share one core (engines/server.py, engines/served.py, transport/): no module
   named after one engine imports a module named after another, and the core imports no
-  engine module; the slot writer, which runs inside every engine's venv (installed there
-  with --no-deps), imports only the standard library, torch and the slot modules.
+  engine module; the transport package, whose slot writer runs inside every engine's venv
+  (installed there with --no-deps), imports only the standard library, torch and itself.
 - The CPU bridges (engines/cpu/) never reach a GPU server: its launch environment has no
   engines/cpu path and no TRITON_INTERPRET, the SGLang plugin's `register()` imports
   engines.cpu only in a CPU-engine process, and nothing else in the product imports it.
@@ -22,10 +22,13 @@ from pathlib import Path
 from specforge_dspark.engines import server, sglang, vllm
 
 REPO = Path(__file__).resolve().parents[1]
-ENGINES = REPO / "specforge_dspark" / "engines"
-PACKAGE = "specforge_dspark.engines"
-CORE = ("server", "served", "request", "tickets", "slot_writer", "shm", "features")
-WRITER_SIDE = {"slot_writer", "shm", "tickets", "pinning", "ragged", "mooncake", "fp8_rows"}
+ROOT = "specforge_dspark"
+ENGINES = REPO / ROOT / "engines"
+TRANSPORT = REPO / ROOT / "transport"
+PACKAGE = f"{ROOT}.engines"
+SEAM = ("engines", "transport", "serving")  # the packages an engine's modules live in
+WRITER_SIDE = {p.stem for p in TRANSPORT.glob("*.py") if p.stem != "__init__"}
+CORE = ("engines.server", "engines.served", *(f"transport.{m}" for m in sorted(WRITER_SIDE)))
 OPTIONAL = {"mooncake": "mooncake"}  # module -> the package it imports on first use only
 CPU_PATH = str(ENGINES / "cpu")
 
@@ -53,15 +56,18 @@ def _imports(path: Path) -> set[str]:
 
 
 def _engine_modules() -> dict[str, set[str]]:
-    """engines module (name under engines/) -> the engines modules it imports."""
+    """module of engines/, transport/ or serving/ (name under specforge_dspark, e.g.
+    engines.sglang) -> the modules of those packages it imports."""
     out = {}
-    for path in sorted(ENGINES.rglob("*.py")):
-        if "shims" in path.parts:
-            continue
-        name = _module(path).removeprefix(PACKAGE + ".")
-        out[name] = {
-            m.removeprefix(PACKAGE + ".") for m in _imports(path) if m.startswith(PACKAGE + ".")
-        }
+    for package in SEAM:
+        for path in sorted((REPO / ROOT / package).rglob("*.py")):
+            if "shims" in path.parts:
+                continue
+            out[_module(path).removeprefix(ROOT + ".")] = {
+                m.removeprefix(ROOT + ".")
+                for m in _imports(path)
+                if m.split(".")[:2] in ([ROOT, p] for p in SEAM)
+            }
     return out
 
 
@@ -84,19 +90,20 @@ def test_the_core_imports_no_engine_module():
         f"{core} -> {m}"
         for core in CORE
         for m in modules[core]
-        if "sglang" in _leaf(m) or "vllm" in _leaf(m) or m.startswith("cpu")
+        if "sglang" in _leaf(m) or "vllm" in _leaf(m) or m.startswith("engines.cpu")
     ]
     assert not bad, bad
 
 
 def test_the_slot_writer_imports_only_what_every_engine_venv_has():
-    """The writer side: stdlib, torch, each other (installed with --no-deps); mooncake.py
-    also Mooncake, imported when a request names a Mooncake slot."""
+    """The writer side, transport/: stdlib, torch, each other (installed with --no-deps);
+    mooncake.py also Mooncake, imported when a request names a Mooncake slot."""
+    transport = f"{ROOT}.transport"
     bad = []
     for name in WRITER_SIDE:
-        for m in _imports(ENGINES / f"{name}.py"):
+        for m in _imports(TRANSPORT / f"{name}.py"):
             top = m.split(".")[0]
-            ours = m == PACKAGE or m.removeprefix(PACKAGE + ".").split(".")[0] in WRITER_SIDE
+            ours = m == transport or m.removeprefix(transport + ".").split(".")[0] in WRITER_SIDE
             if top == "specforge_dspark" and not ours:
                 bad.append(f"{name} -> {m}")
             elif top not in ("specforge_dspark", "torch", "__future__", OPTIONAL.get(name)):

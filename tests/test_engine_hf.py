@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specforge_dspark.engines.features import Sample, pad_batch, read_target_dims
 from specforge_dspark.engines.hf import HFTarget
+from specforge_dspark.engines.tap import read_target_dims
+from specforge_dspark.transport.features import Sample, pad_batch
 
 LAYER_IDS = [0, 1, 2]
 

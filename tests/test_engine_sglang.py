@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from specforge_dspark.config.recipe import load_recipe
-from specforge_dspark.engines.features import TargetGone, TargetLost, TargetRefused
 from specforge_dspark.engines.launch import launch_env
 from specforge_dspark.engines.served import ServedEngine
 from specforge_dspark.engines.server import EngineServer
 from specforge_dspark.engines.sglang import launch_args, request_body
 from specforge_dspark.engines.sglang_plugin import append_prefill_hidden_states
-from specforge_dspark.engines.shm import SHM_DIR
 from specforge_dspark.training.stream import FeatureStream
+from specforge_dspark.transport.features import TargetGone, TargetLost, TargetRefused
+from specforge_dspark.transport.shm import SHM_DIR
 from tests.fake_sglang import FakeServer, Mode, S, fake_features, sglang_recipe
 
 

@@ -23,7 +23,7 @@ from specforge_dspark.decoding.loading import head_fns
 from specforge_dspark.decoding.prompts import parse_workload, render
 from specforge_dspark.decoding.spec_decode import LosslessError, speculative_generate
 from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
-from specforge_dspark.engines.features import AuxTap
+from specforge_dspark.engines.tap import AuxTap
 from specforge_dspark.objective.frozen_head import load_frozen_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")

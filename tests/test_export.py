@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from specforge_dspark.cli.export import main
 from specforge_dspark.config.recipe import DraftRecipe, Recipe, resolved_dirs
+from specforge_dspark.drafters.conventions import CONVENTIONS_KEY, ConventionsError
 from specforge_dspark.drafters.dspark import (
     DSPARK_KEYS,
     DSparkConfig,
@@ -23,7 +24,7 @@ from specforge_dspark.drafters.dspark import (
     build_visibility_mask,
 )
 from specforge_dspark.export import ExportError
-from specforge_dspark.export.conventions import CONVENTIONS_KEY, check_conventions
+from specforge_dspark.export.conventions import check_conventions
 from specforge_dspark.export.dispatch import export_checkpoint
 from specforge_dspark.export.dspark import export_draft
 from specforge_dspark.objective.blocks import build_blocks
@@ -619,30 +620,30 @@ def test_check_conventions_refuses_a_start_point_made_for_other_settings(tmp_pat
     check_conventions(out, recipe)  # agrees
 
     recipe.draft.mask_token_id = 10
-    with pytest.raises(ExportError, match="mask_token_id is 9 in .* but 10"):
+    with pytest.raises(ConventionsError, match="mask_token_id is 9 in .* but 10"):
         check_conventions(out, recipe)
     recipe.draft.mask_token_id = 9
     other = target_variant(tmp_path / "other", tiny_target_dir, use_sconv=False)
     recipe.target.path = str(other)
-    with pytest.raises(ExportError, match="tap_convention"):
+    with pytest.raises(ConventionsError, match="tap_convention"):
         check_conventions(out, recipe)
     recipe.target.path = str(tiny_target_dir)
     # against a target alone (evaluation): only the target's facts
     check_conventions(out, target_path=tiny_target_dir)
-    with pytest.raises(ExportError, match="tap_convention is 'pre_mlp_sconv' in .* but"):
+    with pytest.raises(ConventionsError, match="tap_convention is 'pre_mlp_sconv' in .* but"):
         check_conventions(out, target_path=other)
 
     raw = json.loads((out / "config.json").read_text())
     raw[CONVENTIONS_KEY]["format_version"] = 2
     (out / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ExportError, match="format_version is 2 in .* but 1"):
+    with pytest.raises(ConventionsError, match="format_version is 2 in .* but 1"):
         check_conventions(out, recipe)
     # a drafter without the record (published elsewhere): what its config root serves counts
     raw.pop(CONVENTIONS_KEY)
     (out / "config.json").write_text(json.dumps(raw))
     check_conventions(out, recipe)
     recipe.draft.target_layer_ids = [1, 2]
-    with pytest.raises(ExportError, match=r"target_layer_ids is \[0, 2\] in .* but \[1, 2\]"):
+    with pytest.raises(ConventionsError, match=r"target_layer_ids is \[0, 2\] in .* but \[1, 2\]"):
         check_conventions(out, recipe)
 
 

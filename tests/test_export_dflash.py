@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from specforge_dspark.drafters.conventions import CONVENTIONS_KEY
 
 from specforge_dspark.drafters.dflash import DFlashConfig, DFlashDraft
 from specforge_dspark.export import ExportError
 from specforge_dspark.export import dflash as export_dflash
-from specforge_dspark.export.conventions import CONVENTIONS_KEY
 from specforge_dspark.export.dispatch import export_checkpoint
 from specforge_dspark.export.source import checkpoint_kind
 from tests.sglang_shim import import_sglang

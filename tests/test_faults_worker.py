@@ -20,8 +20,8 @@ import psutil
 import pytest
 import torch
 
-from specforge_dspark.engines.features import TargetLost
 from specforge_dspark.training.stream import FeatureStream
+from specforge_dspark.transport.features import TargetLost
 from tests import faults_tiny as ft
 from tests.test_stream import make_samples, tiny_recipe
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from specforge_dspark.config.recipe import RecipeError, recipe_from_dict
-from specforge_dspark.engines import fp8_rows, pinning
-from specforge_dspark.engines.features import PaddedBatch
-from specforge_dspark.engines.fp8_rows import FP8, dequantize, quantize, quantize_into
-from specforge_dspark.engines.request import issue_tickets, slot_features
-from specforge_dspark.engines.shm import ShmSlot, SlotLayout
-from specforge_dspark.engines.slot_writer import SLOTS, write_features
+from specforge_dspark.transport import fp8_rows, pinning
+from specforge_dspark.transport.features import PaddedBatch
+from specforge_dspark.transport.fp8_rows import FP8, dequantize, quantize, quantize_into
+from specforge_dspark.transport.request import issue_tickets, slot_features
+from specforge_dspark.transport.shm import ShmSlot, SlotLayout
+from specforge_dspark.transport.slot_writer import SLOTS, write_features
 
 M, H = 3, 8  # aux layers, hidden size
 D = M * H

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from specforge_dspark.decoding.hf_target import HFTarget as EvalTarget
-from specforge_dspark.engines.features import AuxTap, Sample, pad_batch, tap_convention
 from specforge_dspark.engines.hf import HFTarget
+from specforge_dspark.engines.tap import AuxTap, tap_convention
+from specforge_dspark.transport.features import Sample, pad_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

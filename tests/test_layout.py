@@ -1,6 +1,8 @@
-"""The house rules, checked on the source (STYLE.md, issue 24): no import cycle between
-modules, the library never imports its consumers, no private name crosses a module, no
-product file over 500 lines, every package module reachable by its dotted name.
+"""The house rules, checked on the source (STYLE.md, issues 24 and 56): no import cycle
+between modules, no import from a lower layer to a higher one (LAYERS), each package
+declares what it may import and imports nothing else, the library never imports its
+consumers, no private name crosses a module, no product file over 400 lines, no product
+folder over 20 modules, every package module reachable by its dotted name.
 
 Every import counts, also those inside functions and under TYPE_CHECKING: a cycle hidden
 by a function-local import is still a cycle.
@@ -15,6 +17,27 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("specforge_dspark", "evaluation", "data_pipelines")
 PRODUCT = [*PACKAGES, "scripts"]
 MAX_LINES = 400
+MAX_MODULES = 20
+LAYERS = (
+    "specforge_dspark",  # the package root: its __init__ only
+    "specforge_dspark.config",
+    "specforge_dspark.transport",
+    "specforge_dspark.engines",
+    "specforge_dspark.objective",
+    "specforge_dspark.drafters",
+    "specforge_dspark.decoding",
+    "specforge_dspark.targets",
+    "data_pipelines",
+    "specforge_dspark.serving",
+    "specforge_dspark.training",
+    "specforge_dspark.export",
+    "specforge_dspark.loop",
+    "specforge_dspark.cli",
+    "train",
+    "evaluation",
+    "scripts",
+)
+"""Lowest first: a module may import its own layer's modules and those of layers below."""
 
 
 def _module_name(path: Path) -> str:
@@ -128,6 +151,88 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return out
+
+
+def layer_of(module: str) -> str:
+    """The layer (LAYERS) a module belongs to: the longest one that is a prefix of it."""
+    found = [x for x in LAYERS if module == x or module.startswith(x + ".")]
+    assert found, f"{module} is in no layer of LAYERS"
+    return max(found, key=len)
+
+
+def climbs(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from a module to one in a higher layer."""
+    rank = {x: i for i, x in enumerate(LAYERS)}
+    return [
+        f"{m} ({layer_of(m)}) imports {t} ({layer_of(t)}, above it)"
+        for m, edges in sorted(graph.items())
+        for t in sorted(edges)
+        if rank[layer_of(t)] > rank[layer_of(m)]
+    ]
+
+
+def short(layer: str) -> str:
+    return layer.removeprefix("specforge_dspark.")
+
+
+def declared_imports(package_init: Path) -> set[str] | None:
+    """The layers a package's docstring says it may import (its `Imports:` paragraph:
+    short names, or `none`), None when it says nothing."""
+    doc = ast.get_docstring(ast.parse(package_init.read_text())) or ""
+    if "Imports:" not in doc:
+        return None
+    names = doc.split("Imports:", 1)[1].split("\n\n", 1)[0].replace("\n", " ")
+    return {n.strip() for n in names.split(",")} - {"none", ""}
+
+
+def test_the_checker_finds_a_climb():
+    graph = {"specforge_dspark.config.recipe": {"specforge_dspark.training.stream"}}
+    assert climbs(graph) == [
+        "specforge_dspark.config.recipe (specforge_dspark.config) imports "
+        "specforge_dspark.training.stream (specforge_dspark.training, above it)"
+    ]
+    assert climbs({"specforge_dspark.training.stream": {"specforge_dspark.config.recipe"}}) == []
+
+
+def test_no_import_climbs():
+    bad = climbs({m: e for m, (e, _) in GRAPH.items()})
+    assert not bad, bad
+
+
+def test_each_package_imports_what_its_docstring_declares():
+    """Each layer package's docstring names what it may import (`Imports:`); those are all
+    below it, and it imports no other layer (the package root aside)."""
+    problems = []
+    for i, layer in enumerate(LAYERS[1:], start=1):
+        init = REPO / layer.replace(".", "/") / "__init__.py"
+        if not init.is_file():  # train, scripts: not packages
+            continue
+        declared = declared_imports(init)
+        if declared is None:
+            problems.append(f"{init.relative_to(REPO)}: no `Imports:` paragraph")
+            continue
+        below = {short(x) for x in LAYERS[1:i]}
+        if declared - below:
+            problems.append(f"{layer} declares {sorted(declared - below)}, not below it")
+        used = {
+            short(layer_of(t))
+            for m, (edges, _) in GRAPH.items()
+            if layer_of(m) == layer
+            for t in edges
+            if layer_of(t) not in (layer, "specforge_dspark")
+        }
+        if used - declared:
+            problems.append(f"{layer} imports {sorted(used - declared)}, undeclared")
+    assert not problems, problems
+
+
+def test_no_product_folder_holds_more_than_max_modules():
+    folders: dict[Path, int] = {}
+    for path in SOURCES.values():
+        if path.name != "__init__.py" and path.parent != REPO:
+            folders[path.parent] = folders.get(path.parent, 0) + 1
+    big = {str(f.relative_to(REPO)): n for f, n in folders.items() if n > MAX_MODULES}
+    assert not big, f"over {MAX_MODULES} modules: {big}"
 
 
 def test_the_checker_finds_a_cycle_and_a_private_import(tmp_path):

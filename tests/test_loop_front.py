@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from specforge_dspark.config.recipe import load_recipe
-from specforge_dspark.engines.spec_server import free_port
+from specforge_dspark.engines.launch import free_port
 from specforge_dspark.loop.front import Front
 from tests.test_loop_core import _fake_generate
 

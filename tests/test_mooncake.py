@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from specforge_dspark.config.recipe import RecipeError, recipe_from_dict
-from specforge_dspark.engines import mooncake
-from specforge_dspark.engines.features import TargetLost
-from specforge_dspark.engines.fp8_rows import FP8, dequantize, quantize
-from specforge_dspark.engines.mooncake import Exposer, Remote
-from specforge_dspark.engines.shm import DTYPE_CODES, ShmSlot
-from specforge_dspark.engines.tickets import DONE, FAILED, PENDING, Ticket
+from specforge_dspark.transport import mooncake
+from specforge_dspark.transport.features import TargetLost
+from specforge_dspark.transport.fp8_rows import FP8, dequantize, quantize
+from specforge_dspark.transport.mooncake import Exposer, Remote
+from specforge_dspark.transport.shm import DTYPE_CODES, ShmSlot
+from specforge_dspark.transport.tickets import DONE, FAILED, PENDING, Ticket
 
 REPO = Path(__file__).resolve().parents[1]
 D, H = 6, 3
@@ -165,7 +165,9 @@ def test_the_staging_buffer_is_page_locked_where_cuda_is_available(monkeypatch):
 
 def test_an_environment_without_mooncake_is_told_what_to_install(repo):
     """The vLLM venv has no Mooncake: the transport names the wheel and the Debian packages."""
-    code = "from specforge_dspark.engines import mooncake as m\nm.transfer_engine('::1', 'tcp', '')"
+    code = (
+        "from specforge_dspark.transport import mooncake as m\nm.transfer_engine('::1', 'tcp', '')"
+    )
     r = subprocess.run(
         [str(repo / ".venv-vllm" / "bin" / "python"), "-c", code], capture_output=True, text=True
     )

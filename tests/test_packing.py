@@ -20,12 +20,13 @@ import pytest
 import torch
 
 from specforge_dspark.config.recipe import ObjectiveRecipe, recipe_from_dict
-from specforge_dspark.engines.features import Sample, pad_batch, read_target_dims
 from specforge_dspark.engines.hf import HFTarget
+from specforge_dspark.engines.tap import read_target_dims
 from specforge_dspark.objective.loss import compute_loss_at
 from specforge_dspark.training import checkpoint as ck
 from specforge_dspark.training.data_order import batches
 from specforge_dspark.training.packing import pack_features, pack_index, pack_plan
+from specforge_dspark.transport.features import Sample, pad_batch
 from tests import faults_tiny as ft
 from tests import test_dflash, test_objective
 
@@ -174,7 +175,7 @@ def test_packed_row_trains_what_its_conversations_train_alone(kind):
     alone, alone_grads = _loss(draft, head, obj, ids, mask, aux, last, anchors, valid)
 
     # packed: one row, through pack_features as the trainer does
-    from specforge_dspark.engines.features import TargetFeatures
+    from specforge_dspark.transport.features import TargetFeatures
 
     feats = TargetFeatures([0, 1, 2], ids, mask, torch.tensor(LENGTHS), aux, last)
     p = pack_features(feats, {0: 0, 1: 0, 2: 0})

@@ -14,14 +14,9 @@ import torch
 
 from specforge_dspark.config.recipe import RecipeError, recipe_from_dict
 from specforge_dspark.engines import pool as pool_module
-from specforge_dspark.engines.features import PaddedBatch, TargetGone, TargetLost
-from specforge_dspark.engines.pool import (
-    PORT_STRIDE,
-    ServerPool,
-    check_node_fits,
-    started_servers,
-)
+from specforge_dspark.engines.pool import PORT_STRIDE, ServerPool, check_node_fits, started_servers
 from specforge_dspark.engines.sglang import SGLangEngine, node_share
+from specforge_dspark.transport.features import PaddedBatch, TargetGone, TargetLost
 
 URLS = ["http://10.0.0.1:30000", "http://10.0.0.2:30000", "http://10.0.0.3:30000"]
 

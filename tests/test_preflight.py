@@ -10,11 +10,11 @@ import torch
 
 from specforge_dspark.cli.capture import capture
 from specforge_dspark.cli.preflight import main
-from specforge_dspark.engines.features import Sample, TargetFeatures
 from specforge_dspark.engines.hf import HFTarget
 from specforge_dspark.objective.frozen_head import load_frozen_head
 from specforge_dspark.training.preflight import PreflightError, preflight
 from specforge_dspark.training.stream import FeatureStream
+from specforge_dspark.transport.features import Sample, TargetFeatures
 from tests.live_sglang import LAYERS, tiny_sglang_recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,5 +1,5 @@
 """A quantized copy of the tiny target (engines/quant_targets.py,
-`python -m specforge_dspark.tiny --quant`): the decoder's linear weights are exactly the
+`python -m specforge_dspark.targets --quant`): the decoder's linear weights are exactly the
 format's round trip, the embedding and LM head are untouched, and our hf loaders put
 those layers' inputs through the format as served kernels do."""
 

@@ -11,7 +11,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import train
-from specforge_dspark.engines.features import TargetRefused
 from specforge_dspark.training import run_status
 from specforge_dspark.training.run_status import (
     EXIT_CODES,
@@ -19,6 +18,7 @@ from specforge_dspark.training.run_status import (
     effective_status,
     read_run_status,
 )
+from specforge_dspark.transport.features import TargetRefused
 
 
 def _status(tmp_path) -> dict:

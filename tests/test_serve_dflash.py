@@ -192,8 +192,8 @@ def test_a_dflash_exports_conventions_are_read_and_checked(tiny_target_dir, tmp_
     """serve_check refuses a drafter made for another target: a DFlash export's record is
     read with its own config (no Markov rank), and it never drafts from the anchor."""
     from specforge_dspark.config.recipe import load_recipe
+    from specforge_dspark.drafters.conventions import ConventionsError
     from specforge_dspark.drafters.dflash import DFlashConfig, DFlashDraft
-    from specforge_dspark.export import ExportError
     from specforge_dspark.export.conventions import check_conventions, recorded_conventions
     from specforge_dspark.export.dflash import export_dflash
 
@@ -206,5 +206,5 @@ def test_a_dflash_exports_conventions_are_read_and_checked(tiny_target_dir, tmp_
     config = json.loads((out / "config.json").read_text())
     config["specforge_dspark"]["mup_multiplier"] = 1.0
     (out / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ExportError, match="mup_multiplier"):
+    with pytest.raises(ConventionsError, match="mup_multiplier"):
         check_conventions(out, target_path=tiny_target_dir)

@@ -85,12 +85,8 @@ def test_vllm_takes_another_drafter_in_place_while_requests_keep_coming(
     from transformers import AutoTokenizer
 
     from specforge_dspark.decoding.prompts import load_conversations, parse_workload, render
-    from specforge_dspark.engines.vllm_spec_server import (
-        start_vllm_spec_server,
-        update_draft,
-        vllm_generate,
-    )
     from specforge_dspark.loop.serve import stop_token_ids
+    from specforge_dspark.serving.vllm import start_vllm_spec_server, update_draft, vllm_generate
 
     trained = trained_export.parent / "speculators"
     noisy = tmp_path / "noisy"

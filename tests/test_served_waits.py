@@ -16,12 +16,12 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from specforge_dspark.engines.features import PaddedBatch, TargetLost, TargetRefused
-from specforge_dspark.engines.request import issue_tickets
 from specforge_dspark.engines.served import ServedEngine
-from specforge_dspark.engines.shm import ShmSlot
-from specforge_dspark.engines.slot_writer import SlotAccess, write_features
-from specforge_dspark.engines.tickets import DONE, FAILED, WRITER_FAILED
+from specforge_dspark.transport.features import PaddedBatch, TargetLost, TargetRefused
+from specforge_dspark.transport.request import issue_tickets
+from specforge_dspark.transport.shm import ShmSlot
+from specforge_dspark.transport.slot_writer import SlotAccess, write_features
+from specforge_dspark.transport.tickets import DONE, FAILED, WRITER_FAILED
 
 
 def test_the_trainer_never_takes_a_late_writers_answer_for_the_reissued_ticket():

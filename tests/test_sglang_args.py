@@ -18,8 +18,8 @@ import torch
 from specforge_dspark.config.recipe import RecipeError, load_recipe
 from specforge_dspark.engines import sglang_plugin as plugin
 from specforge_dspark.engines.sglang import launch_args, request_body
-from specforge_dspark.engines.shm import DTYPE_CODES, ShmSlot
-from specforge_dspark.engines.tickets import DONE, Ticket
+from specforge_dspark.transport.shm import DTYPE_CODES, ShmSlot
+from specforge_dspark.transport.tickets import DONE, Ticket
 from tests.sglang_shim import import_sglang
 
 import_sglang("sglang.srt.server_args")  # make setup installs sglang: missing or broken fails

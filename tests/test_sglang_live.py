@@ -28,18 +28,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from specforge_dspark.engines.features import Sample
 from specforge_dspark.engines.pool import PORT_STRIDE
 from specforge_dspark.engines.server import port_taken
 from specforge_dspark.training.stream import FeatureStream
+from specforge_dspark.transport.features import Sample
 from tests.inject import drills
 from tests.live_keys import API_KEY_ENV, attach_key, key_kept_private, refused_without_key
-from tests.live_sglang import (
-    LiveServer,
-    assert_failed_on_the_death,
-    free_port,
-    tiny_sglang_recipe,
-)
+from tests.live_sglang import LiveServer, assert_failed_on_the_death, free_port, tiny_sglang_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 30

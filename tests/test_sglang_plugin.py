@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from specforge_dspark.engines import sglang_plugin as plugin
-from specforge_dspark.engines import slot_writer
-from specforge_dspark.engines.shm import DTYPE_CODES, ShmSlot
-from specforge_dspark.engines.tickets import DONE, FAILED, PENDING, Ticket
+from specforge_dspark.transport import slot_writer
+from specforge_dspark.transport.shm import DTYPE_CODES, ShmSlot
+from specforge_dspark.transport.tickets import DONE, FAILED, PENDING, Ticket
 
 D, H, TP = 6, 2, 4
 FULL = SimpleNamespace(is_full=lambda: True, is_last=lambda: False)

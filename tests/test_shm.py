@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from specforge_dspark.config.recipe import recipe_from_dict
-from specforge_dspark.engines import features, pinning, shm, slot_budget
-from specforge_dspark.engines.features import PaddedBatch, TargetFeatures
-from specforge_dspark.engines.request import issue_tickets
-from specforge_dspark.engines.shm import DTYPE_CODES, ShmSlot, SlotLayout
-from specforge_dspark.engines.slot_budget import make_slots
-from specforge_dspark.engines.slot_writer import SlotAccess, fail, write_features
-from specforge_dspark.engines.tickets import DONE, PENDING, Ticket
+from specforge_dspark.transport import features, pinning, shm, slot_budget
+from specforge_dspark.transport.features import PaddedBatch, TargetFeatures
+from specforge_dspark.transport.request import issue_tickets
+from specforge_dspark.transport.shm import DTYPE_CODES, ShmSlot, SlotLayout
+from specforge_dspark.transport.slot_budget import make_slots
+from specforge_dspark.transport.slot_writer import SlotAccess, fail, write_features
+from specforge_dspark.transport.tickets import DONE, PENDING, Ticket
 
 Usage = namedtuple("Usage", "total used free")
 

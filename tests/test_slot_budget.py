@@ -1,4 +1,4 @@
-"""The feature slot budget (engines/slot_budget.py) and the ragged slot layout (shm.py).
+"""The feature slot budget (transport/slot_budget.py) and the ragged slot layout (shm.py).
 
 A slot holds a request's rows back to back (sequence b's at the sum of the lengths before
 it), so a request costs its tokens, not rows x longest. On a bimodal mix of conversation
@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from specforge_dspark.config.recipe import recipe_from_dict
-from specforge_dspark.engines.features import PaddedBatch
-from specforge_dspark.engines.request import issue_tickets
-from specforge_dspark.engines.shm import SlotLayout
-from specforge_dspark.engines.slot_budget import job_id, make_slots, request_budget
-from specforge_dspark.engines.slot_writer import SlotMaps, write_features
-from specforge_dspark.engines.tickets import DONE
 from specforge_dspark.training.packing import pack_plan
+from specforge_dspark.transport.features import PaddedBatch
+from specforge_dspark.transport.request import issue_tickets
+from specforge_dspark.transport.shm import SlotLayout
+from specforge_dspark.transport.slot_budget import job_id, make_slots, request_budget
+from specforge_dspark.transport.slot_writer import SlotMaps, write_features
+from specforge_dspark.transport.tickets import DONE
 
 D, H = 12, 4
 
@@ -63,7 +63,7 @@ def test_the_budget_is_what_a_request_can_hold(tmp_path):
 
 
 def test_bimodal_packed_micro_batches_stay_within_the_printed_budget(tmp_path, monkeypatch):
-    monkeypatch.setattr("specforge_dspark.engines.slot_writer.SLOTS", SlotMaps())
+    monkeypatch.setattr("specforge_dspark.transport.slot_writer.SLOTS", SlotMaps())
     L, micro = 64, 2
     g = torch.Generator().manual_seed(0)
     lengths = [  # bimodal: a third long conversations, two thirds short ones

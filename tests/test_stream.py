@@ -14,19 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from specforge_dspark.cli.capture import batched, capture
+from data_pipelines.ingest import batched
+from specforge_dspark.cli.capture import capture
 from specforge_dspark.config.recipe import recipe_from_dict
-from specforge_dspark.engines.features import (
-    Sample,
-    pad_batch,
-    read_target_config,
-    tap_convention,
-)
 from specforge_dspark.engines.hf import HFTarget, worker_threads
 from specforge_dspark.engines.offline import ShardWriter, target_fingerprint
-from specforge_dspark.engines.shm import FILE_PREFIX, SHM_DIR, ShmSlot
-from specforge_dspark.engines.slot_budget import sweep_stale_slots
+from specforge_dspark.engines.tap import read_target_config, tap_convention
 from specforge_dspark.training.stream import FeatureStream
+from specforge_dspark.transport.features import Sample, pad_batch
+from specforge_dspark.transport.shm import FILE_PREFIX, SHM_DIR, ShmSlot
+from specforge_dspark.transport.slot_budget import sweep_stale_slots
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -155,7 +152,7 @@ TRAINER = textwrap.dedent(
     import sys, time, itertools
     from specforge_dspark.config.recipe import recipe_from_dict
     from specforge_dspark.training.stream import FeatureStream
-    from specforge_dspark.engines.features import Sample
+    from specforge_dspark.transport.features import Sample
 
     recipe = recipe_from_dict({
         "target": {"path": sys.argv[1], "prefetch": 2, "timeout_s": 60, "max_restarts": 0},

@@ -58,7 +58,7 @@ def test_chat_template_and_generation(tiny_target_dir):
 
 
 def test_pretraining_lowered_the_loss_and_build_is_cached(tiny_target_dir):
-    from specforge_dspark.tiny.target import build
+    from specforge_dspark.targets.target import build
 
     info = json.loads((tiny_target_dir / "build_info.json").read_text())
     losses = info["pretrain_losses"]
@@ -69,7 +69,7 @@ def test_pretraining_lowered_the_loss_and_build_is_cached(tiny_target_dir):
 
 
 def test_loops_detects_short_periods_only():
-    from specforge_dspark.tiny.corpus import loops
+    from specforge_dspark.targets.corpus import loops
 
     assert loops([7] * 48)
     assert loops(list(range(100)) + [1, 2, 3] * 16)  # period 3 in the last 48
@@ -81,7 +81,7 @@ def test_loops_detects_short_periods_only():
 
 def test_target_writes_without_looping(tiny_target_dir):
     """Measured at build (build_info.json) and re-checked here on the first prompts."""
-    from specforge_dspark.tiny.pretrain import LOOP_WORKLOADS, greedy_loop_rate
+    from specforge_dspark.targets.pretrain import LOOP_WORKLOADS, greedy_loop_rate
 
     info = json.loads((tiny_target_dir / "build_info.json").read_text())
     rows = info["continuations"]
@@ -104,7 +104,7 @@ def test_target_writes_without_looping(tiny_target_dir):
 def test_a_build_kept_by_key_is_copied_not_rebuilt(tmp_path, monkeypatch):
     """A second clone on the same machine copies the finished build of the same key from
     the store ($SPECFORGE_TINY_STORE); another key is not taken from it."""
-    from specforge_dspark.tiny import target
+    from specforge_dspark.targets import target
 
     store = tmp_path / "store"
     kept = store / "qwen3-k1"

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specforge_dspark.engines.features import Sample
 from specforge_dspark.training.stream import FeatureStream
+from specforge_dspark.transport.features import Sample
 from tests.live_keys import attach_key, refused_without_key
 from tests.live_sglang import assert_failed_on_the_death, free_port, tiny_sglang_recipe
 from tests.live_vllm import tiny_vllm_recipe

@@ -19,16 +19,13 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from specforge_dspark.cli.parser import command_parser
+from data_pipelines.ingest import batched
+from specforge_dspark.config.command_line import command_parser
 from specforge_dspark.config.recipe import Recipe, load_recipe
-from specforge_dspark.engines.features import (
-    Sample,
-    read_target_config,
-    read_target_dims,
-    tap_convention,
-)
 from specforge_dspark.engines.offline import ShardWriter, target_fingerprint
+from specforge_dspark.engines.tap import read_target_config, read_target_dims, tap_convention
 from specforge_dspark.training.stream import FeatureStream
+from specforge_dspark.transport.features import Sample
 
 
 def read_samples_jsonl(path: str | Path) -> Iterator[Sample]:
@@ -54,17 +51,6 @@ def prepared_samples(recipe: Recipe) -> Iterable[Any]:
             "available; pass --input FILE.jsonl"
         ) from None
     return prepare_dataset(recipe)
-
-
-def batched(samples: Iterable[Any], size: int) -> Iterator[list[Any]]:
-    batch: list[Any] = []
-    for s in samples:
-        batch.append(s)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 def capture(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from specforge_dspark.cli.parser import command_parser
+from specforge_dspark.config.command_line import command_parser
 from specforge_dspark.export.dispatch import export_checkpoint
 from specforge_dspark.export.dspark import FORMATS
 from specforge_dspark.export.speculators import SPECULATORS_VOCABS

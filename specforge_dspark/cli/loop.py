@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from specforge_dspark.cli.parser import command_parser
+from specforge_dspark.config.command_line import command_parser
 from specforge_dspark.loop.round import PHASES, Loop
 
 

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from specforge_dspark.cli.parser import command_parser
+from specforge_dspark.config.command_line import command_parser
 from specforge_dspark.training.preflight import PreflightError, preflight
 
 

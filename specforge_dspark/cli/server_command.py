@@ -13,14 +13,14 @@ from __future__ import annotations
 import shlex
 import sys
 
-from specforge_dspark.cli.parser import command_parser
+from specforge_dspark.config.command_line import command_parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from specforge_dspark.config.recipe import RecipeError, load_recipe
-    from specforge_dspark.engines import mooncake
     from specforge_dspark.engines.api_key import KEY_ENV
     from specforge_dspark.engines.sglang import KEYED_LAUNCH, is_cpu_engine, launch_args
+    from specforge_dspark.transport import mooncake
 
     ap = command_parser(
         "specforge_dspark.cli.server_command",

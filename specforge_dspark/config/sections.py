@@ -51,11 +51,11 @@ class TargetRecipe:
     """Feature shards written by `python -m specforge_dspark.cli.capture` (backend offline)."""
     tiny_arch: Literal["", "inkling", "qwen3"] = ""
     """Embedded CPU recipes: build (or reuse, by build key) the tiny target of this
-    architecture at target.path before training (specforge_dspark.tiny.target)."""
+    architecture at target.path before training (specforge_dspark.targets.target)."""
     transport: Literal["shm", "mooncake"] = "shm"
     """How a server's features reach the trainer: shm, a /dev/shm slot the server maps (the
     server on the trainer's node); mooncake, written into the trainer's registered slots
-    by Mooncake's Transfer Engine (the server anywhere: engines/mooncake.py; sglang only)."""
+    by Mooncake's Transfer Engine (the server anywhere: transport/mooncake.py; sglang only)."""
     mooncake: MooncakeTransport = field(default_factory=MooncakeTransport)
     transport_dtype: Literal["auto", "fp8_e4m3"] = "auto"
     """auto: features cross in target.dtype; fp8_e4m3: the server quantizes each aux row
@@ -346,7 +346,7 @@ class LoopRecipe:
     """How a promoted (or rolled-back) drafter takes the serving replicas: restart: new
     servers replace the old one at a time behind the front; reload (vLLM only): each
     serving server loads the new drafter's weights in place through vLLM's draft weight
-    update (engines/vllm_draft_weights.py), no server started or stopped."""
+    update (serving/vllm_draft_weights.py), no server started or stopped."""
     listen: str = "127.0.0.1:0"
     """host:port of the loop's one serving address (its front: the address users send
     requests to through every swap); port 0 takes a free port. The address is logged and

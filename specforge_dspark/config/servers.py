@@ -48,7 +48,7 @@ class SGLangServer:
 @dataclass
 class MooncakeTransport:
     """`target.transport: mooncake`: the trainer's side of Mooncake's Transfer Engine
-    (engines/mooncake.py); a server's writer takes its own RDMA devices and address from
+    (transport/mooncake.py); a server's writer takes its own RDMA devices and address from
     its environment (SFDSPARK_MOONCAKE_DEVICE, SFDSPARK_MOONCAKE_HOST)."""
 
     protocol: Literal["tcp", "rdma"] = "tcp"

@@ -26,7 +26,7 @@ from typing import Literal
 
 import torch
 
-from specforge_dspark.engines.features import AuxTap
+from specforge_dspark.engines.tap import AuxTap
 
 CacheMode = Literal["crop", "rerun"]
 

@@ -49,33 +49,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch import nn
 
+from specforge_dspark.drafters.backbone import DecoderFields, DraftBackbone
 from specforge_dspark.drafters.io import (
     check_decoder_fields,
     config_reader,
-    context_features,
-    from_attributes,
-    load_checked,
-    read_config,
     read_decoder_fields,
-    save_layout,
     sglang_config,
 )
-from specforge_dspark.drafters.layers import (
-    ContextKV,
-    DecoderLayer,
-    RMSNorm,
-    build_visibility_mask,
-    context_kv,
-    decode_blocks,
-)
-
-if TYPE_CHECKING:
-    from specforge_dspark.config.recipe import DraftRecipe
+from specforge_dspark.drafters.layers import build_visibility_mask
 
 ARCHITECTURE = "DFlashDraftModel"
 """config.json `architectures` entry SGLang serves a DFlash drafter as."""
@@ -101,25 +86,10 @@ SUPPORTED_VALUES: dict[str, tuple] = {
 
 
 @dataclass(kw_only=True)
-class DFlashConfig:
+class DFlashConfig(DecoderFields):
     """Architecture of a DFlash drafter; field names are those of SGLang's config.json."""
 
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    hidden_act: str = "silu"
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 32768
-    vocab_size: int
-    """Rows of the target LM head (padded vocabulary)."""
     block_size: int = 16
-    target_layer_ids: list[int]
-    num_target_layers: int
-    mask_token_id: int
     layer_types: list[str] = field(default_factory=list)
     """One entry per layer, "full_attention" or "sliding_attention"; empty = all full."""
     sliding_window: int = 0
@@ -137,11 +107,6 @@ class DFlashConfig:
                 f"DFlashConfig.sliding_window ({self.sliding_window}) must be >= block_size "
                 f"({self.block_size}) for sliding_attention layers"
             )
-
-    @classmethod
-    def from_recipe(cls, draft: DraftRecipe) -> DFlashConfig:
-        """From a `recipe.DraftRecipe` (the DSpark-only fields are not read)."""
-        return from_attributes(cls, draft)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DFlashConfig:
@@ -200,29 +165,16 @@ def build_dflash_masks(
 # --------------------------------------------------------------------------- model
 
 
-class DFlashDraft(nn.Module):
+class DFlashDraft(DraftBackbone):
     """The DFlash drafter; submodule names are SGLang's weight names (`fc`, `hidden_norm`,
     `layers.{i}.*`, `norm`); no embedding, no LM head."""
 
     confidence_head = None
 
-    def __init__(self, config: DFlashConfig) -> None:
-        super().__init__()
-        self.config = config
-        H, eps = config.hidden_size, config.rms_norm_eps
-        self.fc = nn.Linear(len(config.target_layer_ids) * H, H, bias=False)
-        self.hidden_norm = RMSNorm(H, eps)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(H, eps)
-
     @property
     def num_drafts(self) -> int:
         """Drafted tokens per block: G - 1 (row 0 is the bonus token)."""
         return self.config.block_size - 1
-
-    def context(self, aux_hidden_BSD: torch.Tensor) -> torch.Tensor:
-        """Shared context features `[B, S, H]` = hidden_norm(fc(aux)), D = m*H."""
-        return context_features(self.fc, self.hidden_norm, aux_hidden_BSD)
 
     def masks(
         self,
@@ -236,34 +188,6 @@ class DFlashDraft(nn.Module):
         return build_dflash_masks(
             anchors_BN, block_valid_BN, ctx_valid_BS, cfg.block_size, window, starts_BN
         )
-
-    def context_kv(self, ctx_BSH: torch.Tensor, ctx_pos_BS: torch.Tensor) -> ContextKV:
-        """Each layer's context keys and values (`layers.context_kv`), for `decode`."""
-        return context_kv(self, ctx_BSH, ctx_pos_BS)
-
-    def decode(
-        self,
-        kv_ctx: ContextKV,
-        block_emb_BNGH: torch.Tensor,
-        block_pos_BNG: torch.Tensor,
-        masks: dict[str, torch.Tensor],
-    ) -> torch.Tensor:
-        """Final-normed hidden states `[B, N, G, H]` of every block row over the context
-        of `kv_ctx` (`forward`'s other arguments)."""
-        return decode_blocks(self, kv_ctx, block_emb_BNGH, block_pos_BNG, masks)
-
-    def forward(
-        self,
-        ctx_BSH: torch.Tensor,
-        ctx_pos_BS: torch.Tensor,
-        block_emb_BNGH: torch.Tensor,
-        block_pos_BNG: torch.Tensor,
-        masks: dict[str, torch.Tensor],
-    ) -> torch.Tensor:
-        """Final-normed hidden states `[B, N, G, H]` of every block row (row 0 included);
-        `masks` from `self.masks`. A query with no visible key gets attention output 0."""
-        kv_ctx = self.context_kv(ctx_BSH, ctx_pos_BS)
-        return self.decode(kv_ctx, block_emb_BNGH, block_pos_BNG, masks)
 
     def apply_heads(
         self, h_BNGH: torch.Tensor, base_logits_BNGV: torch.Tensor, prev_BNG: torch.Tensor
@@ -320,23 +244,9 @@ class DFlashDraft(nn.Module):
             masks,
         )[0, 0]
 
-    # ----------------------------------------------------------------------- files
-
-    def save_pretrained(self, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
-        """SGLang DFLASH layout: config.json + model.safetensors."""
-        save_layout(self, self.config.to_dict(), path, dtype)
-
     @classmethod
     def from_pretrained(
         cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"
     ) -> DFlashDraft:
-        """Load a SGLang DFLASH directory; a leading "model." is stripped, rotary caches are
-        skipped, any other unknown name or wrong shape raises ValueError naming it."""
+        """Load a SGLang DFLASH directory (`DraftBackbone.load`)."""
         return cls.load(DFlashConfig, path, dtype, device)
-
-    @classmethod
-    def load(cls, config_cls: type, path: str | Path, dtype: torch.dtype, device: str):
-        """`cls` built from `config_cls.from_dict(config.json)` and loaded (`load_checked`)."""
-        with torch.device("meta"):
-            model = cls(config_cls.from_dict(read_config(path)))
-        return load_checked(model, path, ("rotary_emb.",), device, dtype)

@@ -44,36 +44,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from specforge_dspark.drafters.backbone import DecoderFields, DraftBackbone
 from specforge_dspark.drafters.io import (
     DECODER_SIZES,
     check_decoder_fields,
     config_reader,
-    context_features,
-    from_attributes,
-    load_checked,
-    read_config,
     read_decoder_fields,
-    save_layout,
     sglang_config,
 )
-from specforge_dspark.drafters.layers import (
-    ConfidenceHead,
-    ContextKV,
-    DecoderLayer,
-    MarkovHead,
-    RMSNorm,
-    build_visibility_mask,
-    context_kv,
-    decode_blocks,
-)
-
-if TYPE_CHECKING:
-    from specforge_dspark.config.recipe import DraftRecipe
+from specforge_dspark.drafters.layers import ConfidenceHead, MarkovHead, build_visibility_mask
 
 ARCHITECTURE = "Qwen3DSparkModel"
 """config.json `architectures` entry SGLang serves a DSpark drafter as."""
@@ -114,25 +98,10 @@ _SIZES = (*DECODER_SIZES, "block_size", "markov_rank")
 
 
 @dataclass(kw_only=True)
-class DSparkConfig:
+class DSparkConfig(DecoderFields):
     """Architecture of a DSpark drafter; field names are those of SGLang's config.json."""
 
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    hidden_act: str = "silu"
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 32768
-    vocab_size: int
-    """Rows of the target LM head (padded vocabulary)."""
     block_size: int = 7
-    target_layer_ids: list[int]
-    num_target_layers: int
-    mask_token_id: int
     markov_rank: int
     markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
     enable_confidence_head: bool = True
@@ -151,11 +120,6 @@ class DSparkConfig:
             raise ValueError(
                 f"DSparkConfig.layer_types must all be 'full_attention', got {self.layer_types}"
             )
-
-    @classmethod
-    def from_recipe(cls, draft: DraftRecipe) -> DSparkConfig:
-        """From a `recipe.DraftRecipe` (or anything with the same attribute names)."""
-        return from_attributes(cls, draft)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DSparkConfig:
@@ -190,17 +154,13 @@ class DSparkConfig:
 # --------------------------------------------------------------------------- model
 
 
-class DSparkDraft(nn.Module):
+class DSparkDraft(DraftBackbone):
     """The DSpark drafter; submodule names are SGLang's weight names (DSPARK_SPEC.md s.6)."""
 
+    LOAD_SKIPS = ("embed_tokens.", "lm_head.", "rotary_emb.")  # the target's, or caches
+
     def __init__(self, config: DSparkConfig) -> None:
-        super().__init__()
-        self.config = config
-        H, eps = config.hidden_size, config.rms_norm_eps
-        self.fc = nn.Linear(len(config.target_layer_ids) * H, H, bias=False)
-        self.hidden_norm = RMSNorm(H, eps)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(H, eps)
+        super().__init__(config)
         self.markov_head = MarkovHead(config)
         self.confidence_head = ConfidenceHead(config) if config.enable_confidence_head else None
         # Start as a no-op bias on the base logits: the Markov head learns a correction.
@@ -221,43 +181,6 @@ class DSparkDraft(nn.Module):
         """The attention mask `forward` takes for these blocks (`build_visibility_mask`)."""
         G = self.config.block_size
         return build_visibility_mask(anchors_BN, block_valid_BN, ctx_valid_BS, G, starts_BN)
-
-    def context(self, aux_hidden_BSD: torch.Tensor) -> torch.Tensor:
-        """Shared context features `[B, S, H]` = hidden_norm(fc(aux)), D = m*H."""
-        return context_features(self.fc, self.hidden_norm, aux_hidden_BSD)
-
-    def context_kv(self, ctx_BSH: torch.Tensor, ctx_pos_BS: torch.Tensor) -> ContextKV:
-        """Each layer's context keys and values (`layers.context_kv`), for `decode`."""
-        return context_kv(self, ctx_BSH, ctx_pos_BS)
-
-    def decode(
-        self,
-        kv_ctx: ContextKV,
-        block_emb_BNGH: torch.Tensor,
-        block_pos_BNG: torch.Tensor,
-        visible_BQK: torch.Tensor,
-    ) -> torch.Tensor:
-        """Final-normed hidden states `[B, N, G, H]` of the block queries over the context
-        of `kv_ctx` (`forward`'s other arguments)."""
-        masks = {"full_attention": visible_BQK}
-        return decode_blocks(self, kv_ctx, block_emb_BNGH, block_pos_BNG, masks)
-
-    def forward(
-        self,
-        ctx_BSH: torch.Tensor,
-        ctx_pos_BS: torch.Tensor,
-        block_emb_BNGH: torch.Tensor,
-        block_pos_BNG: torch.Tensor,
-        visible_BQK: torch.Tensor,
-    ) -> torch.Tensor:
-        """Final-normed hidden states `[B, N, G, H]` of the block queries.
-
-        block_emb: frozen target embeddings of [x_a, MASK, ...] per block; keys are the S
-        context positions then the N*G block positions; `visible_BQK` from
-        `build_visibility_mask`. A query with no visible key gets attention output 0.
-        """
-        kv_ctx = self.context_kv(ctx_BSH, ctx_pos_BS)
-        return self.decode(kv_ctx, block_emb_BNGH, block_pos_BNG, visible_BQK)
 
     def apply_heads(
         self, h_BNGH: torch.Tensor, base_logits_BNGV: torch.Tensor, prev_BNG: torch.Tensor
@@ -328,12 +251,6 @@ class DSparkDraft(nn.Module):
         prev_G = torch.cat((bonus, tokens_G[:-1]))
         return tokens_G, self.confidence_head(h_GH, head.markov_w1(prev_G))
 
-    # ----------------------------------------------------------------------- files
-
-    def save_pretrained(self, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
-        """SGLang layout: config.json + model.safetensors (no embedding, no LM head)."""
-        save_layout(self, self.config.to_dict(), path, dtype)
-
     @classmethod
     def from_pretrained(
         cls,
@@ -341,11 +258,6 @@ class DSparkDraft(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> DSparkDraft:
-        """Load a SGLang-layout drafter. Like SGLang, a leading "model." is stripped and
-        embed_tokens / lm_head / rotary tensors are skipped; any other name or shape that
-        does not fit raises ValueError naming it."""
-        config = DSparkConfig.from_dict(read_config(path))
-        with torch.device("meta"):
-            model = cls(config)
-        skip = ("embed_tokens.", "lm_head.", "rotary_emb.")  # the target's, or caches
-        return load_checked(model, path, skip, device, dtype)
+        """Load a SGLang-layout drafter (`DraftBackbone.load`: the target's embed_tokens and
+        lm_head are skipped too)."""
+        return cls.load(DSparkConfig, path, dtype, device)

@@ -181,6 +181,11 @@ def build_visibility_mask(
     return torch.cat((ctx_BQS, blk_BQQ), dim=-1)
 
 
+Masks = dict[str, torch.Tensor] | torch.Tensor
+"""Attention visibility of block queries (bool `[B, Q, K]`, True = visible) by layer type,
+or one tensor for drafters whose layers are all "full_attention"."""
+
+
 class Decoder(Protocol):
     """What `context_kv` and `decode_blocks` read from a drafter network (SGLang's weight
     names)."""
@@ -211,7 +216,7 @@ def decode_blocks(
     kv_ctx: ContextKV,
     block_emb_BNGH: torch.Tensor,
     block_pos_BNG: torch.Tensor,
-    masks: dict[str, torch.Tensor],
+    masks: Masks,
 ) -> torch.Tensor:
     """The decoder pass of a drafter over blocks (its `layers`, then its final `norm`):
     final-normed hidden states `[B, N, G, H]` of every block row.
@@ -219,9 +224,11 @@ def decode_blocks(
     kv_ctx: `context_kv` of the context these blocks attend to (any chunk of the blocks
     over one context reuses it); block_emb: frozen target embeddings of the block tokens;
     keys are the S context positions then the N*G block positions. Layer i attends with
-    `masks[drafter.config.layer_types[i]]` (bool `[B, Q, K]`, True = visible). A query
-    with no visible key gets attention output 0.
+    `masks[drafter.config.layer_types[i]]` (bool `[B, Q, K]`, True = visible; one tensor:
+    every layer's). A query with no visible key gets attention output 0.
     """
+    if isinstance(masks, torch.Tensor):
+        masks = {"full_attention": masks}
     B, N, G, H = block_emb_BNGH.shape
     S, Q = kv_ctx[0][0].shape[2], N * G
     cfg, norm = drafter.config, drafter.norm

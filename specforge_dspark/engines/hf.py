@@ -24,17 +24,11 @@ from typing import Any
 
 import torch
 
-from specforge_dspark.engines.features import (
-    DTYPES,
-    AuxTap,
-    PaddedBatch,
-    TargetDims,
-    TargetFeatures,
-    TargetLost,
-)
-from specforge_dspark.engines.ragged import pad_rows, starts
-from specforge_dspark.engines.slot_budget import job_id, make_slots, sweep_stale_slots
-from specforge_dspark.engines.slot_writer import SlotMaps
+from specforge_dspark.engines.tap import AuxTap, TargetDims
+from specforge_dspark.transport.features import DTYPES, PaddedBatch, TargetFeatures, TargetLost
+from specforge_dspark.transport.ragged import pad_rows, starts
+from specforge_dspark.transport.slot_budget import job_id, make_slots, sweep_stale_slots
+from specforge_dspark.transport.slot_writer import SlotMaps
 
 POLL_S = 0.1
 """How often a waiting trainer checks that its worker is still alive."""

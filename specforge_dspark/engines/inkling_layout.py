@@ -3,7 +3,7 @@
 SGLang registers Inkling only as `InklingForConditionalGeneration` with an
 `inkling_mm_model` config (`sglang/srt/configs/inkling.py` InklingMMConfig), text weights
 under `model.llm.*` with the original names, gate/up interleaved row by row into `w13`
-tensors. transformers' `InklingForCausalLM` (what `tiny/target.py` builds and the hf
+tensors. transformers' `InklingForCausalLM` (what `targets/target.py` builds and the hf
 backend reads) is the same network under other names: transformers maps the original
 layout onto its own (`conversion_mapping.py`, "inkling_mm_model"); this module goes the
 other way for the text model (no vision or audio tower):
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from specforge_dspark.cli.parser import command_parser
+from specforge_dspark.config.command_line import command_parser
 
 SGLANG_ARCH = "InklingForConditionalGeneration"
 TRANSFORMERS_ARCH = "InklingForCausalLM"
@@ -176,7 +176,7 @@ def convert_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def source_key(target: Path) -> str:
-    """The source's build key (tiny/target.py), else a hash of its config and weights."""
+    """The source's build key (targets/target.py), else a hash of its config and weights."""
     marker = target / ".build_key"
     if marker.is_file():
         return marker.read_text().strip()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -122,3 +123,10 @@ def cli_flag(key: str, value: Any) -> list[str]:
     if isinstance(value, dict):
         return [flag, json.dumps(value)]
     return [flag, str(value)]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS's choice)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

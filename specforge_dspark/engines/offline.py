@@ -5,7 +5,7 @@ A capture directory holds `shard-NNNNN.safetensors` files (per sample: `<id>.inp
 last, so a directory without one is an unfinished capture. The manifest records the
 sample ids and their shards, the aux layer ids, hidden size, dtype, each shard's size and
 sha256, a fingerprint of the target weights (`target_fingerprint`) and the aux tap
-convention (`features.tap_convention`; absent in captures older than it, which all took
+convention (`tap.tap_convention`; absent in captures older than it, which all took
 `layer_output`). The reader checks all of it against the recipe before the first batch
 and each shard (size, sha256, tensor shapes) on first use, and names the file on any
 problem.
@@ -23,13 +23,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specforge_dspark.engines.features import (
-    DTYPES,
-    PaddedBatch,
-    TargetFeatures,
-    read_target_config,
-    tap_convention,
-)
+from specforge_dspark.engines.tap import read_target_config, tap_convention
+from specforge_dspark.transport.features import DTYPES, PaddedBatch, TargetFeatures
 
 FORMAT = "specforge_dspark.features"
 VERSION = 1
@@ -182,7 +177,7 @@ class FeatureStore:
         if got_tap != want_tap:
             raise ValueError(
                 f"{mpath}: features of the {got_tap} aux tap, but SGLang taps this target "
-                f"{want_tap} (engines/features.py); capture again"
+                f"{want_tap} (engines/tap.py); capture again"
             )
         self.manifest = m
         self.hidden = int(m["target"]["hidden_size"])

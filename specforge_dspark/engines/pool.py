@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from specforge_dspark.engines.api_key import auth_headers
-from specforge_dspark.engines.features import PaddedBatch, TargetFeatures, TargetGone, TargetLost
+from specforge_dspark.transport.features import PaddedBatch, TargetFeatures, TargetGone, TargetLost
 
 PORT_STRIDE = 16
 READMIT_S = 2.0

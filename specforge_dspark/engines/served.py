@@ -35,32 +35,8 @@ from typing import Any
 
 import torch
 
-from specforge_dspark.engines.api_key import (
-    read_key_file,
-    section_key,
-    started_key,
-    write_key_file,
-)
-from specforge_dspark.engines.features import (
-    DTYPES,
-    PaddedBatch,
-    TargetDims,
-    TargetFeatures,
-    TargetGone,
-    TargetLost,
-    TargetRefused,
-    read_target_dims,
-)
-from specforge_dspark.engines.mooncake import Exposer
+from specforge_dspark.engines.api_key import read_key_file, section_key, started_key, write_key_file
 from specforge_dspark.engines.reaper import server_gone
-from specforge_dspark.engines.request import (
-    LATE_HINT,
-    check_reply,
-    issue_tickets,
-    reach_hint,
-    slot_features,
-    ticket_state,
-)
 from specforge_dspark.engines.server import (
     EngineServer,
     ServerKeeper,
@@ -72,13 +48,26 @@ from specforge_dspark.engines.server import (
     say,
     tail,
 )
-from specforge_dspark.engines.shm import ShmSlot, SlotViews
-from specforge_dspark.engines.slot_budget import (
-    job_id,
-    make_slots,
-    sweep_stale_slots,
-    wire_dtype,
+from specforge_dspark.engines.tap import TargetDims, read_target_dims
+from specforge_dspark.transport.features import (
+    DTYPES,
+    PaddedBatch,
+    TargetFeatures,
+    TargetGone,
+    TargetLost,
+    TargetRefused,
 )
+from specforge_dspark.transport.mooncake import Exposer
+from specforge_dspark.transport.request import (
+    LATE_HINT,
+    check_reply,
+    issue_tickets,
+    reach_hint,
+    slot_features,
+    ticket_state,
+)
+from specforge_dspark.transport.shm import ShmSlot, SlotViews
+from specforge_dspark.transport.slot_budget import job_id, make_slots, sweep_stale_slots, wire_dtype
 
 POLL_S = 0.2  # how often a wait looks at the server and the tickets
 HEALTH_POLL_S = 0.5

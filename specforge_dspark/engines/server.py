@@ -26,6 +26,8 @@ re-issued.
 from __future__ import annotations
 
 import errno
+import http.client
+import json
 import os
 import signal
 import socket
@@ -36,6 +38,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -43,6 +46,7 @@ from urllib.request import Request
 
 from specforge_dspark.engines.api_key import auth_headers, redacting_log
 from specforge_dspark.engines.reaper import group_running, kill_group
+from specforge_dspark.transport.features import TargetLost
 
 POLL_S = 0.5
 CLOCK_SLACK_S = 2.0
@@ -56,6 +60,26 @@ def http_ok(url: str, key: str | None = None) -> bool:
             return r.status == 200
     except (OSError, urllib.error.URLError):
         return False
+
+
+def post_json(url: str, body: bytes, timeout_s: float, fut: Future, key: str | None = None) -> None:
+    """POST a JSON `body` to a live server's `url` (with API key `key`); its JSON reply, or
+    the failure, lands in `fut`: TargetLost when the server cannot be reached (refused,
+    reset, socket timeout), RuntimeError for an HTTP error (401: a wrong or missing key)
+    or a reply that is not JSON. The trainer's own deadline fires first; `timeout_s` only
+    frees the thread."""
+    headers = {"Content-Type": "application/json", **auth_headers(key)}
+    req = urllib.request.Request(url, data=body, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            fut.set_result(json.loads(r.read()))
+    except urllib.error.HTTPError as e:
+        detail = e.read()[:500].decode(errors="replace")
+        fut.set_exception(RuntimeError(f"HTTP {e.code}: {detail}"))
+    except (OSError, http.client.HTTPException) as e:
+        fut.set_exception(TargetLost(f"{type(e).__name__}: {e}"))
+    except Exception as e:  # bad JSON
+        fut.set_exception(RuntimeError(f"{type(e).__name__}: {e}"))
 
 
 def read_pid(pid_file: Path) -> int | None:
@@ -169,6 +193,23 @@ class EngineServer:
 
     def tail(self, lines: int = 30) -> str:
         return tail(self.log_path, lines)
+
+    def wait_up(self, up: Callable[[], bool], what: str, timeout_s: float) -> float:
+        """Seconds until `up()` holds. Stops the server and raises when it exits first
+        (RuntimeError with its log's tail) or after `timeout_s` (TimeoutError)."""
+        t0 = time.monotonic()
+        try:
+            while not up():
+                code = self.exit_code()
+                if code is not None:
+                    raise RuntimeError(f"{what} exited ({code}); log tail:\n{self.tail(40)}")
+                if time.monotonic() - t0 > timeout_s:
+                    raise TimeoutError(f"{what} not healthy within {timeout_s:g}s")
+                time.sleep(0.5)
+        except BaseException:
+            self.stop()
+            raise
+        return time.monotonic() - t0
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL, the whole process group; returns once it is gone."""

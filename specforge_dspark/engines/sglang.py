@@ -26,9 +26,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from specforge_dspark.engines import mooncake
 from specforge_dspark.engines.api_key import KEY_ENV
-from specforge_dspark.engines.features import PaddedBatch, check_layer_ids, post_json
 from specforge_dspark.engines.inkling_layout import needs_radix_cache, sglang_layout
 from specforge_dspark.engines.launch import (
     cli_flag,
@@ -38,9 +36,12 @@ from specforge_dspark.engines.launch import (
     prepend_path,
 )
 from specforge_dspark.engines.served import ServedEngine
-from specforge_dspark.engines.server import EngineServer
+from specforge_dspark.engines.server import EngineServer, post_json
 from specforge_dspark.engines.sglang_plugin import PLUGIN_NAME, make_rid
-from specforge_dspark.engines.shm import ShmSlot
+from specforge_dspark.engines.tap import check_layer_ids
+from specforge_dspark.transport import mooncake
+from specforge_dspark.transport.features import PaddedBatch
+from specforge_dspark.transport.shm import ShmSlot
 
 RESERVED = {
     "model_path": "target.path",

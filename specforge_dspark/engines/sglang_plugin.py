@@ -60,7 +60,7 @@ import zlib
 
 import torch
 
-from specforge_dspark.engines.slot_writer import fail, write_features
+from specforge_dspark.transport.slot_writer import fail, write_features
 
 PLUGIN_NAME = "specforge_dspark"
 RID_PREFIX = "sfdspark|"

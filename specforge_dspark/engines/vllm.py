@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 
-from specforge_dspark.engines.features import PaddedBatch, post_json, read_target_config
 from specforge_dspark.engines.launch import (
     cli_flag,
     cpu_thread_binding,
@@ -47,8 +46,10 @@ from specforge_dspark.engines.launch import (
     prepend_path,
 )
 from specforge_dspark.engines.served import ServedEngine
-from specforge_dspark.engines.server import EngineServer, http_ok
-from specforge_dspark.engines.shm import ShmSlot, SlotViews
+from specforge_dspark.engines.server import EngineServer, http_ok, post_json
+from specforge_dspark.engines.tap import read_target_config
+from specforge_dspark.transport.features import PaddedBatch
+from specforge_dspark.transport.shm import ShmSlot, SlotViews
 
 CONNECTOR_MODULE = "specforge_dspark.engines.vllm_connector"
 CONNECTOR_NAME = "ShmHiddenStatesConnector"  # the class in CONNECTOR_MODULE

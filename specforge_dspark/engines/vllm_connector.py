@@ -35,8 +35,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
-from specforge_dspark.engines.slot_writer import fail, write_features
 from specforge_dspark.engines.vllm import NONCE_KEY, SLOT_KEY, TICKET_KEY
+from specforge_dspark.transport.slot_writer import fail, write_features
 
 
 @dataclass

@@ -10,11 +10,14 @@ train_state.json and the COMPLETE marker), a checkpoint root holding step direct
 layout is one directory with `config.json` + `model.safetensors`, floating tensors bf16.
 DSPARK_SPEC.md section 6 is the contract; the installed serving code decided the details.
 
-Modules: `source` reads what an export starts from; `conventions` is the record every
-layout carries and the check of it; `sglang` writes the SGLang layout (DSPARK and
+Modules: `source` reads what an export starts from; `conventions` reads the conventions a
+drafter directory or training checkpoint records and checks them (the record itself is
+drafters/conventions.py); `sglang` writes the SGLang layout (DSPARK and
 DFLASH); `speculators` builds the vLLM layout; `dspark` and `dflash` export one drafter
 kind each; `dispatch` picks the export of the checkpoint's drafter kind (the command line
 is cli/export.py).
+
+Imports: config, drafters, objective, training
 """
 
 from __future__ import annotations
@@ -26,9 +29,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-CONVENTIONS_KEY = "specforge_dspark"
-"""The config.json entry every export layout carries (conventions.py): it also marks a
-directory as an earlier export, which `publish` may replace."""
+from specforge_dspark.drafters.conventions import CONVENTIONS_KEY
 
 
 class ExportError(ValueError):

@@ -1,19 +1,6 @@
-"""The conventions record every export carries, and the check of a drafter against it.
-
-config.json key `"specforge_dspark"` (SGLang's parser reads DSpark keys by name,
-`dspark_config.py` `parse_dspark_draft_config`, and transformers keeps unknown keys as
-attributes; speculators' config allows extra keys, config.py:252) holds what a server must
-agree with: `format_version` (CONVENTIONS_VERSION), `sample_from_anchor` +
-`slot_convention`, `tap_convention` (`engines.features.tap_convention` of the target's
-config.json), `layer_id_convention` with `target_layer_ids` / `aux_hidden_state_layer_ids`
-/ `num_target_layers`, `mask_token_id`, `logical_vocab`, `vocab_rows` (LM-head rows),
-`mup_multiplier`, and how the multiplier is applied (`mup_folded_into`: null = by the
-server, "norm.weight", "lm_head.weight"); the speculators layout adds `speculators_vocab`.
-Target facts are null when exported without a target. Re-exporting a directory, or
-`check_conventions` on a directory a run starts from, refuses (ExportError naming the
-field and both values) a record that disagrees with the recipe / target at hand; null is
-not checked.
-"""
+"""The conventions a drafter directory or a training checkpoint records, and the check of
+either against a recipe or target before a run starts from it or an export re-exports it
+(the record itself: drafters/conventions.py)."""
 
 from __future__ import annotations
 
@@ -22,86 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from specforge_dspark.config.recipe import Recipe, recipe_from_dict
-from specforge_dspark.drafters.dflash import DFlashConfig
+from specforge_dspark.drafters.conventions import check_against, conventions, served_conventions
 from specforge_dspark.drafters.dspark import DSparkConfig
-from specforge_dspark.drafters.registry import KINDS, kind_of_dir
-from specforge_dspark.engines.features import tap_convention
-from specforge_dspark.export import CONVENTIONS_KEY, ExportError
 from specforge_dspark.export.source import resolve_checkpoint
-from specforge_dspark.objective.frozen_head import config_value, logical_vocab
-
-CONVENTIONS_VERSION = 1
-"""Version of the conventions record; a record of another version is refused."""
-SLOT_CONVENTION = "slot k of the block anchored at position a predicts token a+k+1"
-LAYER_ID_CONVENTION = (
-    "target_layer_ids: decoder layer k output (0-based); "
-    "aux_hidden_state_layer_ids: k+1 (hidden-states index, 0 = embeddings)"
-)
-CHECKED = (
-    "format_version",
-    "sample_from_anchor",
-    "slot_convention",
-    "tap_convention",
-    "layer_id_convention",
-    "target_layer_ids",
-    "num_target_layers",
-    "mask_token_id",
-    "logical_vocab",
-    "vocab_rows",
-    "mup_multiplier",
-)
-"""Conventions compared between a record and the recipe / target at hand."""
-
-
-def conventions(
-    cfg: DSparkConfig | DFlashConfig,
-    target_path: str | Path | None = None,
-    *,
-    sample_from_anchor: bool = True,
-    slot_convention: str = SLOT_CONVENTION,
-) -> dict[str, Any]:
-    """The conventions record (module docstring) of a draft served against a target; the
-    target's facts (tap, logical vocab, muP multiplier) are None without `target_path`.
-    Reads the target's config.json (and tokenizer.json), never its weights. The slot
-    defaults are DSpark's; DFlash passes its own."""
-    record: dict[str, Any] = {
-        "format_version": CONVENTIONS_VERSION,
-        "sample_from_anchor": sample_from_anchor,
-        "slot_convention": slot_convention,
-        "tap_convention": None,
-        "layer_id_convention": LAYER_ID_CONVENTION,
-        "target_layer_ids": list(cfg.target_layer_ids),
-        "aux_hidden_state_layer_ids": [k + 1 for k in cfg.target_layer_ids],
-        "num_target_layers": cfg.num_target_layers,
-        "mask_token_id": cfg.mask_token_id,
-        "logical_vocab": None,
-        "vocab_rows": cfg.vocab_size,
-        "mup_multiplier": None,
-    }
-    if target_path:
-        record |= target_conventions(Path(target_path), cfg.vocab_size)
-    return record
-
-
-def target_conventions(root: Path, vocab_rows: int | None) -> dict[str, Any]:
-    """tap, logical vocab and muP multiplier of a target, from its config.json (and
-    tokenizer.json); refuses a target whose LM-head rows are not `vocab_rows`."""
-    config_file = root / "config.json"
-    if not config_file.is_file():
-        raise ExportError(f"target {root}: no config.json")
-    config = json.loads(config_file.read_text())
-    rows = int(config_value(config, "vocab_size") or vocab_rows)
-    if vocab_rows is not None and rows != vocab_rows:
-        raise ExportError(
-            f"vocab_rows: the target {root} has {rows} LM-head rows (config.json "
-            f"vocab_size), the draft has {vocab_rows}"
-        )
-    mult = config_value(config, "logits_mup_width_multiplier")
-    return {
-        "tap_convention": tap_convention(config),
-        "logical_vocab": logical_vocab(root, config, rows),
-        "mup_multiplier": 1.0 if mult is None else float(mult),
-    }
 
 
 def recorded_conventions(path: str | Path) -> dict[str, Any]:
@@ -119,58 +29,14 @@ def recorded_conventions(path: str | Path) -> dict[str, Any]:
         record = conventions(DSparkConfig.from_recipe(recipe.draft))
         features = (state.get("fingerprint") or {}).get("features") or {}
         return record | {"tap_convention": features.get("tap_convention")}
-    if kind != "export":
-        return {}
-    config = json.loads((resolved / "config.json").read_text())
-    drafter = kind_of_dir(resolved)  # the DFlash kinds never draft from the anchor
-    if "speculators_model_type" in config:
-        aux = config.get("aux_hidden_state_layer_ids")
-        served = {
-            "mask_token_id": config.get("mask_token_id"),
-            "target_layer_ids": None if aux is None else [k - 1 for k in aux],
-            "vocab_rows": (config.get("transformer_layer_config") or {}).get("vocab_size"),
-        }
-    else:  # the draft fields SGLang serves, from the config root
-        cfg = KINDS[drafter].config.from_dict(config)
-        served = {
-            "target_layer_ids": cfg.target_layer_ids,
-            "num_target_layers": cfg.num_target_layers,
-            "mask_token_id": cfg.mask_token_id,
-            "vocab_rows": cfg.vocab_size,
-        }
-    served["sample_from_anchor"] = config.get("sample_from_anchor", drafter == "dspark")
-    return (config.get(CONVENTIONS_KEY) or {}) | {k: v for k, v in served.items() if v is not None}
+    return served_conventions(resolved) if kind == "export" else {}
 
 
 def check_conventions(
     path: str | Path, recipe: Recipe | None = None, target_path: str | Path | None = None
 ) -> None:
-    """Refuse (ExportError naming the field and both values) a drafter directory or
-    training checkpoint whose recorded conventions disagree with `recipe` (its draft: slot,
-    layer ids, mask token, LM-head rows; its target: tap, logical vocab, muP) or, without
-    a recipe, with the target at `target_path` (default: the recipe's `target.path`).
-    Call it before loading a drafter to train on (`draft.init_from`) or to evaluate.
-    """
-    recorded = recorded_conventions(path)
-    target = target_path or (recipe.target.path if recipe is not None else None) or None
-    if recipe is not None:
-        want = conventions(DSparkConfig.from_recipe(recipe.draft), target)
-        here = f"recipe {recipe.source or '<dict>'}"
-    else:
-        want = (
-            {} if target is None else target_conventions(Path(target), recorded.get("vocab_rows"))
-        )
-        here = f"target {target}"
-    check_recorded(recorded, want, str(path), here)
-
-
-def check_recorded(recorded: dict[str, Any], want: dict[str, Any], there: str, here: str) -> None:
-    """Refuse a `recorded` convention (from `there`) that differs from `want` (for `here`);
-    a convention either side leaves None is not compared."""
-    for key in CHECKED:
-        got, expected = recorded.get(key), want.get(key)
-        if got is not None and expected is not None and got != expected:
-            raise ExportError(
-                f"conventions: {key} is {got!r} in {there} but {expected!r} for {here}; "
-                "it was made for a different target or draft setting"
-            )
+    """Refuse (ConventionsError naming the field and both values) a drafter directory or
+    training checkpoint whose recorded conventions disagree with `recipe` or, without a
+    recipe, with the target at `target_path` (drafters.conventions.check_against). Call it
+    before loading a drafter to evaluate or to export again."""
+    check_against(recorded_conventions(path), str(path), recipe, target_path)

@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
+from specforge_dspark.drafters import conventions as drafter_conventions
 from specforge_dspark.drafters.dflash import DFlashConfig, DFlashDraft
 from specforge_dspark.drafters.registry import KINDS, kind_of_dir
 from specforge_dspark.export import ExportError
-from specforge_dspark.export import conventions as export_conventions
 from specforge_dspark.export.sglang import write_sglang
 from specforge_dspark.export.source import deepspeed_weights, resolve_checkpoint, step_recipe
 
@@ -48,7 +48,7 @@ SLOT_CONVENTION = (
 
 def conventions(cfg: DFlashConfig, target_path: str | Path | None = None) -> dict[str, Any]:
     """The conventions record of a DFlash draft (conventions.conventions with its slot rule)."""
-    return export_conventions.conventions(
+    return drafter_conventions.conventions(
         cfg, target_path, sample_from_anchor=False, slot_convention=SLOT_CONVENTION
     )
 

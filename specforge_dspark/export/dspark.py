@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from specforge_dspark.config.recipe import Recipe
+from specforge_dspark.drafters.conventions import ConventionsError, check_recorded, conventions
 from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
 from specforge_dspark.export import ExportError
-from specforge_dspark.export.conventions import check_recorded, conventions, recorded_conventions
+from specforge_dspark.export.conventions import recorded_conventions
 from specforge_dspark.export.sglang import write_sglang
 from specforge_dspark.export.source import deepspeed_weights, resolve_checkpoint, step_recipe
 from specforge_dspark.export.speculators import SPECULATORS_VOCABS, write_speculators
@@ -101,7 +102,7 @@ def export_dspark_checkpoint(
             speculators_vocab=speculators_vocab or "full",
             known=known,
         )
-    except ExportError as e:
+    except (ExportError, ConventionsError) as e:
         raise ExportError(f"--checkpoint {ckpt_dir}: {e}") from None
 
 

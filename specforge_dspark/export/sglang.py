@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from specforge_dspark.drafters.conventions import CONVENTIONS_KEY
 from specforge_dspark.drafters.dflash import DFlashDraft
 from specforge_dspark.drafters.dspark import DSparkDraft
 from specforge_dspark.export import publish
-from specforge_dspark.export.conventions import CONVENTIONS_KEY
 
 
 def write_sglang(

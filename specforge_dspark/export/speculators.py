@@ -61,9 +61,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from specforge_dspark.drafters.conventions import CONVENTIONS_KEY
 from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
 from specforge_dspark.export import ExportError, publish
-from specforge_dspark.export.conventions import CONVENTIONS_KEY
 from specforge_dspark.objective.frozen_head import load_frozen_head
 
 SPECULATORS_VOCABS = ("full", "reduced")

@@ -31,15 +31,15 @@ from typing import Any
 
 from specforge_dspark.decoding.intervals import paired_difference, unpaired_difference
 from specforge_dspark.decoding.prompts import render
+from specforge_dspark.engines.launch import free_port
 from specforge_dspark.engines.sglang import ServerProcess
-from specforge_dspark.engines.spec_server import free_port
-from specforge_dspark.engines.vllm_spec_server import check_same_layout
 from specforge_dspark.loop.front import Front
 from specforge_dspark.loop.gate import Lineage, gate, gate_items, positions
 from specforge_dspark.loop.logs import ingest_logs
 from specforge_dspark.loop.mine import held_out, mine, replay_rows
 from specforge_dspark.loop.records import Journal
 from specforge_dspark.loop.serve import ENGINES, record_traffic, stop_token_ids, traffic_requests
+from specforge_dspark.serving.vllm import check_same_layout
 
 PHASES = ("record", "mine", "train", "gate", "swap")
 REPO = Path(__file__).resolve().parents[2]

@@ -25,13 +25,9 @@ from specforge_dspark.decoding.prompts import (
     render,
 )
 from specforge_dspark.engines.api_key import auth_headers
-from specforge_dspark.engines.spec_server import start_spec_server
-from specforge_dspark.engines.vllm_spec_server import (
-    start_vllm_spec_server,
-    update_draft,
-    vllm_generate,
-)
 from specforge_dspark.loop.records import Journal, record, served_figures, vllm_served_figures
+from specforge_dspark.serving.sglang import start_spec_server
+from specforge_dspark.serving.vllm import start_vllm_spec_server, update_draft, vllm_generate
 
 
 def generate(url: str, ids: list[int], max_new_tokens: int, stop_ids: set[int],

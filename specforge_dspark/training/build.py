@@ -85,7 +85,7 @@ def build(recipe: Recipe, resume: str | None, status=None) -> Run:
     if resume_path is not None:  # fail fast, before data and engines are built
         layout = checkpoint.check_saved(resume_path, recipe, world)
     if recipe.target.tiny_arch:  # embedded recipes: every rank waits on the build lock
-        from specforge_dspark.tiny.target import build as build_tiny_target
+        from specforge_dspark.targets.target import build as build_tiny_target
 
         quiet = (lambda *a: None) if rank else print
         build_tiny_target(Path(recipe.target.path), arch=recipe.target.tiny_arch, log=quiet)

@@ -109,7 +109,7 @@ class _Cursor:
 
 
 def _sample(row: dict, id_base: int = 0):
-    from specforge_dspark.engines.features import Sample
+    from specforge_dspark.transport.features import Sample
 
     return Sample(
         sample_id=id_base + int(row["sample_id"]),

@@ -66,10 +66,10 @@ def construct_draft(recipe: Recipe) -> torch.nn.Module:
             raise ValueError(f"draft.init_from {d.init_from}: config differs")
         return draft
     if d.init_from:  # same slot, tap, layer ids, mask and vocab as this run
+        from specforge_dspark.drafters.conventions import check_against, served_conventions
         from specforge_dspark.drafters.dspark import DSparkDraft
-        from specforge_dspark.export.conventions import check_conventions
 
-        check_conventions(d.init_from, recipe)
+        check_against(served_conventions(d.init_from), d.init_from, recipe)
         return DSparkDraft.from_pretrained(d.init_from)
     draft = new_draft(d)
     if d.norm_from_target:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from specforge_dspark.config.recipe import Recipe
-from specforge_dspark.engines.features import tap_convention
+from specforge_dspark.engines.tap import tap_convention
 
 EDGE_BYTES = 1 << 20  # hashed at each end of a weight file: cheap for multi-GB shards
 DATA_COLUMNS = ("input_ids", "loss_mask")

@@ -212,9 +212,9 @@ def report(recipe: Recipe, trainable_params: int, world: int, recompute: bool = 
 
 def slot_summary(recipe: Recipe) -> str:
     """The dry run's line on a rank's shared-memory feature slots at their largest
-    (engines/slot_budget.py; the target's hidden size taken as draft.hidden_size)."""
-    from specforge_dspark.engines.shm import last_rows_dtype
-    from specforge_dspark.engines.slot_budget import request_budget, slot_bytes, wire_dtype
+    (transport/slot_budget.py; the target's hidden size taken as draft.hidden_size)."""
+    from specforge_dspark.transport.shm import last_rows_dtype
+    from specforge_dspark.transport.slot_budget import request_budget, slot_bytes, wire_dtype
 
     d, budget, dtype = recipe.draft, request_budget(recipe), wire_dtype(recipe)
     aux = len(d.target_layer_ids) * d.hidden_size

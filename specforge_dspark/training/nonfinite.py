@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from specforge_dspark.engines.features import TargetFeatures
+from specforge_dspark.transport.features import TargetFeatures
 
 
 class NonFiniteError(RuntimeError):

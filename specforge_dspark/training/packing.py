@@ -19,7 +19,7 @@ and every block's supervised prefix (objective/blocks.py) stops before it.
 
 The target sees a micro-batch as one batch of its conversations: at most
 train.micro_batch_size x data.max_length tokens however many conversations, which the
-ragged feature slots are sized for (engines/slot_budget.py).
+ragged feature slots are sized for (transport/slot_budget.py).
 
 Shape legend: B conversations of the micro-batch, S their padded length, P packed rows,
 L the longest pack's length, D aux width, H hidden size.
@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from specforge_dspark.engines.features import TargetFeatures
+from specforge_dspark.transport.features import TargetFeatures
 
 
 def pack_plan(lengths: Sequence[int], capacity: int) -> list[list[int]]:

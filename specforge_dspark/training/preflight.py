@@ -42,14 +42,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from specforge_dspark.engines.features import (
-    Sample,
-    TargetFeatures,
-    field,
-    read_target_config,
-    tap_convention,
-)
-from specforge_dspark.engines.slot_budget import request_budget
+from specforge_dspark.engines.tap import read_target_config, tap_convention
 from specforge_dspark.training.preflight_checks import (
     NEW_TOKENS,
     REFERENCE_MAX_BYTES,
@@ -69,6 +62,8 @@ from specforge_dspark.training.preflight_checks import (
     split_plan,
     teacher_forced_rows,
 )
+from specforge_dspark.transport.features import Sample, TargetFeatures, field
+from specforge_dspark.transport.slot_budget import request_budget
 
 # --------------------------------------------------------------------------- the run
 
@@ -215,6 +210,6 @@ def _clone(f: TargetFeatures) -> TargetFeatures:
 
 
 def _batch(sample: Sample):
-    from specforge_dspark.engines.features import pad_batch
+    from specforge_dspark.transport.features import pad_batch
 
     return pad_batch([sample])

@@ -12,13 +12,8 @@ from typing import Any
 import torch
 
 from specforge_dspark.engines.api_key import auth_headers
-from specforge_dspark.engines.features import (
-    DTYPES,
-    Sample,
-    TargetFeatures,
-    field,
-    read_target_dims,
-)
+from specforge_dspark.engines.tap import read_target_dims
+from specforge_dspark.transport.features import DTYPES, Sample, TargetFeatures, field
 
 ARGMAX_MIN = 0.95
 """Least fraction of greedy positions whose teacher argmax must be the target's token."""

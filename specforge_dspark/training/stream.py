@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
-from specforge_dspark.engines.features import (
+from specforge_dspark.transport.features import (
     PaddedBatch,
     TargetFeatures,
     TargetGone,
@@ -70,8 +70,8 @@ def make_engine(recipe, rank: int, world_size: int, num_slots: int) -> Engine:
     """The backend named by `target.backend` (imported lazily: sglang needs extras)."""
     backend = recipe.target.backend
     if backend == "hf":
-        from specforge_dspark.engines.features import read_target_dims
         from specforge_dspark.engines.hf import HFEngine
+        from specforge_dspark.engines.tap import read_target_dims
 
         dims = read_target_dims(recipe.target.path, recipe.draft.target_layer_ids)
         return HFEngine(recipe, dims, rank, world_size, num_slots)

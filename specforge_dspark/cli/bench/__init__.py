@@ -14,8 +14,12 @@ data_pipelines/prepare.py.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
+from pathlib import Path
+
+from specforge_dspark.config.command_line import command_parser
 
 BENCHES = {
     "objective": ("specforge_dspark.cli.bench.objective", "bench_main"),
@@ -58,3 +62,17 @@ def _run(name: str, argv: list[str]) -> int:
         print(f"bench {name}: not available ({module}.{attr}: {e})", flush=True)
         return 1
     return int(fn(argv) or 0)
+
+
+def bench_parser(name: str, doc: str | None) -> argparse.ArgumentParser:
+    """The argument parser of `python -m specforge_dspark.cli.bench NAME`."""
+    command = f"python -m specforge_dspark.cli.bench {name}"
+    return command_parser(command, doc, command)
+
+
+def tiny_target(path: str, arch: str = "inkling") -> str:
+    """The tiny target at `path`, built there first when missing (progress on stderr)."""
+    from specforge_dspark.targets.target import build
+
+    log = lambda *x: print(*x, file=sys.stderr, flush=True)  # noqa: E731
+    return str(build(Path(path), arch=arch, log=log))

@@ -20,10 +20,9 @@ import sys
 import tempfile
 import time
 from concurrent.futures import Future
-from pathlib import Path
 
-from specforge_dspark.cli.parser import command_parser
-from specforge_dspark.engines.spec_server import free_port
+from specforge_dspark.cli.bench import bench_parser, tiny_target
+from specforge_dspark.engines.launch import free_port
 
 
 def bench_recipe(target: str, output_dir: str, max_length: int):
@@ -58,7 +57,7 @@ def _get_json(url: str, key: str | None) -> dict:
 
 def _plain(url: str, key: str | None, ids: list[int]) -> None:
     """A prefill without capture: the same ids, one new token, no hidden states."""
-    from specforge_dspark.engines.features import post_json
+    from specforge_dspark.engines.server import post_json
 
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
     fut: Future = Future()
@@ -77,21 +76,17 @@ def bench_main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from specforge_dspark.engines.features import PaddedBatch, read_target_config
     from specforge_dspark.engines.sglang import SGLangEngine
-    from specforge_dspark.tiny.target import build
+    from specforge_dspark.engines.tap import read_target_config
+    from specforge_dspark.transport.features import PaddedBatch
 
-    ap = command_parser(
-        "python -m specforge_dspark.cli.bench capture",
-        __doc__,
-        "python -m specforge_dspark.cli.bench capture",
-    )
+    ap = bench_parser("capture", __doc__)
     ap.add_argument("--target", default=".cache/tiny_qwen3", help="built here if missing")
     ap.add_argument("--repeats", type=int, default=8, help="timed prefills of each kind")
     ap.add_argument("--seq-len", type=int, default=0, help="0: the longest the server takes")
     a = ap.parse_args(argv)
     log = lambda *x: print(*x, file=sys.stderr, flush=True)  # noqa: E731
-    target = str(build(Path(a.target), arch="qwen3", log=log))
+    target = tiny_target(a.target, arch="qwen3")
     context = read_target_config(target)["max_position_embeddings"]
     with tempfile.TemporaryDirectory(prefix="bench-capture-") as out:
         engine = SGLangEngine(bench_recipe(target, out, context), rank=0, world_size=1, num_slots=2)

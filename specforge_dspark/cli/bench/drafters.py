@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from specforge_dspark.cli.parser import command_parser
+from specforge_dspark.cli.bench import bench_parser
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPE = "recipes/tiny_cpu_small.yaml"
@@ -67,11 +67,7 @@ def run(out: Path, steps: int, drafters: int) -> dict:
 
 
 def bench_main(argv: list[str] | None = None) -> int:
-    ap = command_parser(
-        "python -m specforge_dspark.cli.bench drafters",
-        __doc__,
-        "python -m specforge_dspark.cli.bench drafters",
-    )
+    ap = bench_parser("drafters", __doc__)
     ap.add_argument("--steps", type=int, default=60)
     a = ap.parse_args(argv)
     figures = {}

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from specforge_dspark.cli.parser import command_parser
+from specforge_dspark.cli.bench import bench_parser
 
 VOCAB_ROWS, LOGICAL_VOCAB, MASK_TOKEN = 201024, 200058, 200064
 SEQ_LEN, PROMPT_LEN, WARMUP_ANCHORS = 4096, 512, 16
@@ -32,11 +32,7 @@ BASE_MB, VOCAB_COPIES = 930, 3.0
 
 def bench_main(argv: list[str] | None = None) -> int:
     """Runs each configuration in a fresh subprocess and prints its line."""
-    ap = command_parser(
-        "python -m specforge_dspark.cli.bench objective",
-        __doc__,
-        "python -m specforge_dspark.cli.bench objective",
-    )
+    ap = bench_parser("objective", __doc__)
     ap.add_argument("--anchors", type=int, nargs="+", default=[32, 256])
     ap.add_argument("--chunks", type=int, nargs="+", default=[32])
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[7, 16])

@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from specforge_dspark.cli.parser import command_parser
+from specforge_dspark.cli.bench import bench_parser
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPE = "recipes/tiny_cpu.yaml"
@@ -59,11 +59,7 @@ def run(out: Path, steps: int, packed: bool, anchors: int | None) -> dict:
 
 
 def bench_main(argv: list[str] | None = None) -> int:
-    ap = command_parser(
-        "python -m specforge_dspark.cli.bench pack",
-        __doc__,
-        "python -m specforge_dspark.cli.bench pack",
-    )
+    ap = bench_parser("pack", __doc__)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--anchors", type=int, nargs="+", default=[64, 128], help="packed runs")
     a = ap.parse_args(argv)

@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from specforge_dspark.cli.parser import command_parser
+from specforge_dspark.cli.bench import bench_parser
 
 LOGICAL_VOCAB, MASK_TOKEN, PROMPT_LEN, WARMUP_ANCHORS = 200058, 200064, 512, 16
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -53,11 +53,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 def bench_main(argv: list[str] | None = None) -> int:
     """Runs each configuration (and its baseline) in a fresh subprocess, prints its line."""
-    ap = command_parser(
-        "python -m specforge_dspark.cli.bench step",
-        __doc__,
-        "python -m specforge_dspark.cli.bench step",
-    )
+    ap = bench_parser("step", __doc__)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="cpu")
     ap.add_argument("--kind", choices=("dspark", "dflash"), default="dspark")
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[7])

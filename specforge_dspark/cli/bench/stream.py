@@ -22,13 +22,12 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from specforge_dspark.cli.parser import command_parser
+from specforge_dspark.cli.bench import bench_parser, tiny_target
 from specforge_dspark.engines import hf
-from specforge_dspark.engines.features import TargetFeatures
 from specforge_dspark.training.stream import FeatureStream
+from specforge_dspark.transport.features import TargetFeatures
 
 
 def _bench_recipe(target: str, prefetch: int):
@@ -45,7 +44,7 @@ def _bench_recipe(target: str, prefetch: int):
 def _bench_batches(n: int, seq_len: int, seed: int) -> list[list[Any]]:
     import torch
 
-    from specforge_dspark.engines.features import Sample
+    from specforge_dspark.transport.features import Sample
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(10, 1000, (n, seq_len), generator=g)
@@ -158,11 +157,7 @@ def _stream_rate(target: str, n: int, seq_len: int):
 def bench_main(argv: list[str] | None = None) -> int:
     import multiprocessing as mp
 
-    ap = command_parser(
-        "python -m specforge_dspark.cli.bench stream",
-        __doc__,
-        "python -m specforge_dspark.cli.bench stream",
-    )
+    ap = bench_parser("stream", __doc__)
     ap.add_argument("--target", default=".cache/tiny_target", help="built here if missing")
     ap.add_argument("--batches", type=int, default=24, help="timed batches per rank")
     ap.add_argument("--seq-len", type=int, default=256)
@@ -170,9 +165,7 @@ def bench_main(argv: list[str] | None = None) -> int:
         "--transfer-seq-len", type=int, default=2048, help="tokens per batch, transport-only"
     )
     a = ap.parse_args(argv)
-    from specforge_dspark.tiny.target import build
-
-    target = str(build(Path(a.target), log=lambda *x: print(*x, file=sys.stderr)))
+    target = tiny_target(a.target)
     x, y = _bench_transfer(target, a.batches, a.seq_len, a.transfer_seq_len)
     print(f"stream bytes_per_s={x:.4g} memcpy_bytes_per_s={y:.4g} ratio={x / y:.4g}", flush=True)
     ctx = mp.get_context("spawn")

@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-from specforge_dspark.cli.parser import command_parser
+from specforge_dspark.cli.bench import bench_parser, tiny_target
 
 LAYERS = [0, 1, 2]
 
@@ -40,8 +38,8 @@ def _writer(location: str, path: str, rows: int, aux_w: int, hidden: int, reps: 
 
     import torch
 
-    from specforge_dspark.engines import mooncake
-    from specforge_dspark.engines.slot_writer import write_features
+    from specforge_dspark.transport import mooncake
+    from specforge_dspark.transport.slot_writer import write_features
 
     os.environ[mooncake.HOST_ENV] = "127.0.0.2"
     torch.set_num_threads(1)
@@ -59,11 +57,12 @@ def _writer(location: str, path: str, rows: int, aux_w: int, hidden: int, reps: 
 def _write_rates(target: str, rows: int, reps: int) -> tuple[float, float]:
     import torch
 
-    from specforge_dspark.engines.features import PaddedBatch, read_target_dims
-    from specforge_dspark.engines.mooncake import Exposer
-    from specforge_dspark.engines.request import issue_tickets
-    from specforge_dspark.engines.shm import ShmSlot
-    from specforge_dspark.engines.tickets import DONE
+    from specforge_dspark.engines.tap import read_target_dims
+    from specforge_dspark.transport.features import PaddedBatch
+    from specforge_dspark.transport.mooncake import Exposer
+    from specforge_dspark.transport.request import issue_tickets
+    from specforge_dspark.transport.shm import ShmSlot
+    from specforge_dspark.transport.tickets import DONE
 
     dims = read_target_dims(target, LAYERS)
     exposer = Exposer("http://127.0.0.2:1")
@@ -90,8 +89,8 @@ def _request_seconds(target: str, rows: int, reps: int) -> tuple[float, float]:
     import torch
 
     from specforge_dspark.cli.bench.capture import bench_recipe
-    from specforge_dspark.engines.features import PaddedBatch
     from specforge_dspark.engines.sglang import SGLangEngine
+    from specforge_dspark.transport.features import PaddedBatch
 
     ids = torch.randint(10, 1000, (1, rows), generator=torch.Generator().manual_seed(0))
     batch = PaddedBatch([0], ids, torch.ones_like(ids), torch.tensor([rows]))
@@ -126,11 +125,12 @@ def _trainer_seconds(target: str, rows: int, reps: int) -> tuple[float, float, s
     """(bf16 seconds, fp8 seconds, device) of section 3 of the module docstring."""
     import torch
 
-    from specforge_dspark.engines.features import PaddedBatch, read_target_dims
-    from specforge_dspark.engines.fp8_rows import FP8
-    from specforge_dspark.engines.request import issue_tickets, slot_features
-    from specforge_dspark.engines.shm import ShmSlot
-    from specforge_dspark.engines.slot_writer import write_features
+    from specforge_dspark.engines.tap import read_target_dims
+    from specforge_dspark.transport.features import PaddedBatch
+    from specforge_dspark.transport.fp8_rows import FP8
+    from specforge_dspark.transport.request import issue_tickets, slot_features
+    from specforge_dspark.transport.shm import ShmSlot
+    from specforge_dspark.transport.slot_writer import write_features
 
     dims = read_target_dims(target, LAYERS)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -162,19 +162,12 @@ def _trainer_seconds(target: str, rows: int, reps: int) -> tuple[float, float, s
 
 def bench_main(argv: list[str] | None = None) -> int:
 
-    from specforge_dspark.tiny.target import build
-
-    ap = command_parser(
-        "python -m specforge_dspark.cli.bench transport",
-        __doc__,
-        "python -m specforge_dspark.cli.bench transport",
-    )
+    ap = bench_parser("transport", __doc__)
     ap.add_argument("--target", default=".cache/tiny_qwen3", help="built here if missing")
     ap.add_argument("--seq-len", type=int, default=2048, help="tokens per request")
     ap.add_argument("--repeats", type=int, default=20, help="timed requests per transport")
     a = ap.parse_args(argv)
-    log = lambda *x: print(*x, file=sys.stderr, flush=True)  # noqa: E731
-    target = str(build(Path(a.target), arch="qwen3", log=log))
+    target = tiny_target(a.target, arch="qwen3")
     shm, mc = _write_rates(target, a.seq_len, a.repeats * 5)
     print(
         f"transport write shm_gb_per_s={shm:.3g} mooncake_gb_per_s={mc:.3g} "

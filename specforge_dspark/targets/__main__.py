@@ -1,4 +1,4 @@
-"""`python -m specforge_dspark.tiny`: build a tiny target (see tiny/target.py). Its
+"""`python -m specforge_dspark.targets`: build a tiny target (see targets/target.py). Its
 command line lives here, outside the build key (target.build_key hashes the package's other
 sources), so that a change to it rebuilds nothing."""
 
@@ -6,18 +6,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specforge_dspark.cli.parser import command_parser
+from specforge_dspark.config.command_line import command_parser
 from specforge_dspark.engines.quant_targets import FORMATS, write_quantized_copy
-from specforge_dspark.tiny.target import ARCHS, PRETRAIN_STEPS, build
+from specforge_dspark.targets.target import ARCHS, PRETRAIN_STEPS, build
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = command_parser(
-        "specforge_dspark.tiny",
+        "specforge_dspark.targets",
         "Build a tiny target (Inkling or Qwen3) on CPU, cached by its build key.",
-        "python -m specforge_dspark.tiny --out .cache/tiny_target",
-        "python -m specforge_dspark.tiny --arch qwen3 --out .cache/tiny_qwen3",
-        "python -m specforge_dspark.tiny --out .cache/tiny_target --quant nvfp4",
+        "python -m specforge_dspark.targets --out .cache/tiny_target",
+        "python -m specforge_dspark.targets --arch qwen3 --out .cache/tiny_qwen3",
+        "python -m specforge_dspark.targets --out .cache/tiny_target --quant nvfp4",
     )
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--arch", choices=ARCHS, default="inkling")

@@ -34,14 +34,8 @@ from pathlib import Path
 
 import torch
 
-from specforge_dspark.engines.fp8_rows import FP8
-from specforge_dspark.engines.shm import (
-    FILE_PREFIX,
-    SHM_DIR,
-    ShmSlot,
-    SlotBudget,
-    SlotLayout,
-)
+from specforge_dspark.transport.fp8_rows import FP8
+from specforge_dspark.transport.shm import FILE_PREFIX, SHM_DIR, ShmSlot, SlotBudget, SlotLayout
 
 SHM_HINT = (
     "raise it (docker run --shm-size=<N>g, Kubernetes: an emptyDir with medium: Memory "
@@ -64,7 +58,7 @@ def wire_dtype(recipe) -> torch.dtype:
     """The dtype of a slot's rows: target.transport_dtype fp8_e4m3 (the aux rows fp8 with
     a scale per (row, aux layer), the last hidden rows bfloat16: shm.py), else
     target.dtype."""
-    from specforge_dspark.engines.features import DTYPES
+    from specforge_dspark.transport.features import DTYPES
 
     return FP8 if recipe.target.transport_dtype == "fp8_e4m3" else DTYPES[recipe.target.dtype]
 

@@ -17,7 +17,7 @@ raises there).
 
 Registered by entry point `specforge_dspark` in group `vllm.general_plugins` (pyproject),
 which vLLM loads in every process; the backend acts only when a server is started with
-`--weight-transfer-config '{"backend": "specforge_dir"}'` (vllm_spec_server.py
+`--weight-transfer-config '{"backend": "specforge_dir"}'` (serving/vllm.py
 `reloadable`). Imports vLLM: loaded only in vLLM's own venv.
 """
 
@@ -97,9 +97,7 @@ class DirWeightTransferEngine(WeightTransferEngine):
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: DirUpdateInfo) -> None:
-        from vllm.model_executor.model_loader.weight_utils import (
-            safetensors_weights_iterator,
-        )
+        from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
 
         files = sorted(str(f) for f in Path(update_info.path).glob("*.safetensors"))
         if not files:

@@ -53,10 +53,10 @@ from pathlib import Path
 
 import torch
 
-from specforge_dspark.engines.fp8_rows import FP8
-from specforge_dspark.engines.pinning import pin, unpin, wait_reads
-from specforge_dspark.engines.ragged import pad_rows, starts
-from specforge_dspark.engines.tickets import TICKET_SIZE, Ticket
+from specforge_dspark.transport.fp8_rows import FP8
+from specforge_dspark.transport.pinning import pin, unpin, wait_reads
+from specforge_dspark.transport.ragged import pad_rows, starts
+from specforge_dspark.transport.tickets import TICKET_SIZE, Ticket
 
 logger = logging.getLogger(__name__)
 

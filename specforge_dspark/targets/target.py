@@ -1,7 +1,7 @@
 """Build the small targets used on CPU (tests, demo): Inkling, and Qwen3 beside it.
 
-    python -m specforge_dspark.tiny --out .cache/tiny_target
-    python -m specforge_dspark.tiny --arch qwen3 --out .cache/tiny_qwen3
+    python -m specforge_dspark.targets --out .cache/tiny_target
+    python -m specforge_dspark.targets --arch qwen3 --out .cache/tiny_qwen3
 
 The result is saved exactly like a real checkpoint (config.json, model.safetensors,
 tokenizer files with a chat template), so every code path loads the target from a
@@ -34,23 +34,29 @@ from pathlib import Path
 
 import torch
 
-from specforge_dspark.tiny.corpus import corpus, data_files
-from specforge_dspark.tiny.model import make_config, train_tokenizer
-from specforge_dspark.tiny.pretrain import PRETRAIN_STEPS, greedy_loop_rate, heldout_loss, pretrain
+from specforge_dspark.targets.corpus import corpus, data_files
+from specforge_dspark.targets.model import make_config, train_tokenizer
+from specforge_dspark.targets.pretrain import (
+    PRETRAIN_STEPS,
+    greedy_loop_rate,
+    heldout_loss,
+    pretrain,
+)
 
 BUILD_VERSION = 4
 ARCHS = ("inkling", "qwen3")
+BUILDER = ("corpus.py", "model.py", "pretrain.py", "target.py")
+"""The modules a tiny build runs: a change to one of them builds the targets anew."""
 
 
 def build_key(settings: dict) -> str:
-    """Settings plus the tiny package's sources and the data files' bytes (v4 on)."""
+    """Settings plus the builder's sources (BUILDER) and the data files' bytes (v4 on)."""
     if settings.get("arch") == "inkling":  # keys of Inkling builds predate the field
         settings = {k: v for k, v in settings.items() if k != "arch"}
     h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     if settings.get("version", 0) >= 4:
-        for src in sorted(Path(__file__).parent.glob("*.py")):  # the builder's code
-            if src.name != "__main__.py":  # its command line builds nothing
-                h.update(src.read_bytes())
+        for name in BUILDER:
+            h.update((Path(__file__).parent / name).read_bytes())
         for f in data_files():
             h.update(f.read_bytes())
     return h.hexdigest()[:16]

@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from specforge_dspark.engines.pinning import buffer_address
+from specforge_dspark.transport.pinning import buffer_address
 
 SCHEME = "mooncake://"
 _LOCATION = re.compile(r"^mooncake://(tcp|rdma)@([^/@]+:\d+)/([0-9a-f]+)/(\d+)$")

@@ -2,29 +2,21 @@
 DSPARK|DFLASH --speculative-draft-model-path EXPORT_DIR` (the algorithm named by the
 export's `architectures`, drafters.registry.kind_of_dir) for a target, greedily, on SGLang's
 CPU engine when `device` is cpu (fp32 there, where it is exact). The serving engine the
-judge (evaluation/serve_check.py) and the closed loop (cli/loop.py) both start."""
+judge (evaluation/serve_check.py) and the closed loop (cli/loop.py) both start; the vLLM
+counterpart is vllm.py."""
 
 from __future__ import annotations
 
-import socket
-import time
-import urllib.request
 from pathlib import Path
 
 from specforge_dspark.config.servers import SGLangServer
 from specforge_dspark.drafters.registry import KINDS, kind_of_dir
 from specforge_dspark.engines.inkling_layout import needs_radix_cache, sglang_layout
 from specforge_dspark.engines.launch import cli_flag
+from specforge_dspark.engines.server import http_ok
 from specforge_dspark.engines.sglang import ServerProcess, cpu_engine_args
 
 START_TIMEOUT_S = 600.0
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the OS's choice)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spec_server_args(
@@ -53,24 +45,6 @@ def spec_server_args(
     return args
 
 
-def wait_healthy(server: ServerProcess, url: str, timeout_s: float = START_TIMEOUT_S) -> float:
-    """Seconds until `url` answers /health_generate; raises with the log's tail when the
-    server exits first, or after `timeout_s`."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        code = server.exit_code()
-        if code is not None:
-            raise RuntimeError(f"SGLang server exited ({code}); log tail:\n{server.tail(40)}")
-        try:
-            with urllib.request.urlopen(f"{url}/health_generate", timeout=5) as r:
-                if r.status == 200:
-                    return time.monotonic() - t0
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"SGLang server at {url} not healthy within {timeout_s:g}s")
-
-
 def start_spec_server(
     target: str | Path,
     draft: str | Path,
@@ -95,9 +69,6 @@ def start_spec_server(
         key="--sglang-python",
     )
     url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(server, url)
-    except BaseException:
-        server.stop()
-        raise
+    server.wait_up(lambda: http_ok(f"{url}/health_generate"), f"SGLang server at {url}",
+                   START_TIMEOUT_S)  # fmt: skip
     return server, url

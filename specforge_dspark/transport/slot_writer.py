@@ -35,10 +35,10 @@ from contextlib import contextmanager
 
 import torch
 
-from specforge_dspark.engines.fp8_rows import FP8, quantize_into
-from specforge_dspark.engines.mooncake import Region, Remote, RemoteSlot
-from specforge_dspark.engines.pinning import pin, unpin
-from specforge_dspark.engines.shm import (
+from specforge_dspark.transport.fp8_rows import FP8, quantize_into
+from specforge_dspark.transport.mooncake import Region, Remote, RemoteSlot
+from specforge_dspark.transport.pinning import pin, unpin
+from specforge_dspark.transport.shm import (
     HEADER_SIZE,
     SlotLayout,
     SlotViews,
@@ -47,7 +47,7 @@ from specforge_dspark.engines.shm import (
     release,
     view,
 )
-from specforge_dspark.engines.tickets import (
+from specforge_dspark.transport.tickets import (
     DONE,
     FAILED,
     PENDING,

