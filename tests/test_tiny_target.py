@@ -104,6 +104,7 @@ def test_target_writes_without_looping(tiny_target_dir):
 def test_a_build_kept_by_key_is_copied_not_rebuilt(tmp_path, monkeypatch):
     """A second clone on the same machine copies the finished build of the same key from
     the store ($SPECFORGE_TINY_STORE); another key is not taken from it."""
+    from specforge_dspark.targets import store as stores
     from specforge_dspark.targets import target
 
     store = tmp_path / "store"
@@ -111,7 +112,7 @@ def test_a_build_kept_by_key_is_copied_not_rebuilt(tmp_path, monkeypatch):
     kept.mkdir(parents=True)
     (kept / ".build_key").write_text("k1")
     (kept / "model.safetensors").write_text("the kept build")
-    monkeypatch.setenv(target.STORE, str(store))
+    monkeypatch.setenv(stores.STORE, str(store))
     monkeypatch.setattr(target, "build_key", lambda settings: "k1")
     said: list[str] = []
     out = target.build(tmp_path / "clone" / "tiny_qwen3", arch="qwen3", log=said.append)
@@ -125,5 +126,5 @@ def test_a_build_kept_by_key_is_copied_not_rebuilt(tmp_path, monkeypatch):
     monkeypatch.setattr(target, "_build_into", no_build)
     with pytest.raises(AssertionError, match="rebuilt"):  # key k2 is not in the store
         target.build(tmp_path / "other", arch="qwen3", log=said.append)
-    monkeypatch.setenv(target.STORE, "")
-    assert target.store() is None
+    monkeypatch.setenv(stores.STORE, "")
+    assert stores.store() is None

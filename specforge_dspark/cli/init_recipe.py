@@ -128,6 +128,23 @@ def _tokenizer_tokens(target: Path) -> tuple[dict[int, str], dict[str, str], int
     return tokens, roles, max([*ids.values(), -1]) + 1
 
 
+def no_mask_token(
+    target: Path, free: dict[int, str], looked_for: list[str], logical: int, rows: int
+) -> str:
+    """The refusal when no mask token can be chosen: what was looked for, the special
+    tokens considered (none of them matched), and how to pass one."""
+    shown = ", ".join(f"{c} = {i}" for i, c in list(free.items())[:16])
+    more = f" and {len(free) - 16} more" if len(free) > 16 else ""
+    considered = f"the special tokens {shown}{more}" if free else "no special token at all"
+    return (
+        f"--target: no mask token in {target}/tokenizer.json or tokenizer_config.json: looked "
+        f"for {'; '.join(looked_for)} among {considered} (pad, eos, bos and unk excluded); and "
+        f"no padded LM-head row (the first would be {-(-logical // 64) * 64}, the head has "
+        f"{rows}). Pass --mask-token-id with a token your training data never holds, e.g. one "
+        "of those special tokens"
+    )
+
+
 def choose_mask_token(target: Path, text: dict[str, Any], given: int | None) -> tuple[int, str]:
     """(mask_token_id, why), the first of: --mask-token-id; the tokenizer's mask_token; an
     added token named like a mask; the first reserved / unused / placeholder token;
@@ -154,8 +171,7 @@ def choose_mask_token(target: Path, text: dict[str, Any], given: int | None) -> 
     logical = text.get("unpadded_vocab_size") or min(size, rows)
     row = -(-logical // 64) * 64
     if row >= rows:
-        msg = f"--target: no unused or reserved token in {target}/tokenizer.json or tokenizer_"
-        raise ValueError(msg + "config.json, no padded LM-head row; pass --mask-token-id")
+        raise ValueError(no_mask_token(target, free, [why for why, _ in tests], logical, rows))
     why = f"padded LM-head row {row}: no unused token in the tokenizer; the target never emits"
     return row, why + f" rows >= {logical} (its logical vocabulary)"
 

