@@ -92,8 +92,8 @@ def judge_both(drafts: dict[str, str], target: str, num_prompts: int, max_new: i
 def judged(report: dict) -> dict:
     """What the results file keeps of a serve_check report."""
     keep = ("agree", "num_prompts", "sglang_accept_length", "harness_accept_length")
-    rows = report["prompts"]
-    return {k: report[k] for k in keep} | {"disagree": [r["prompt"] for r in rows if not r["agree"]]}
+    disagree = [r["prompt"] for r in report["prompts"] if not r["agree"]]
+    return {k: report[k] for k in keep} | {"disagree": disagree}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,8 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     t = time.time()
     reports = judge_both(exports, str(target), a.judge_prompts, a.max_new_tokens, out)
     for name, r in reports.items():
-        print(f"{name}: {r['num_prompts']} prompts, agree {r['agree']}, accept length SGLang "
-              f"{r['sglang_accept_length']:.3f}, harness {r['harness_accept_length']:.3f}")  # fmt: skip
+        print(
+            f"{name}: {r['num_prompts']} prompts, agree {r['agree']}, accept length "
+            f"SGLang {r['sglang_accept_length']:.3f}, harness {r['harness_accept_length']:.3f}"
+        )
     split["judge"] = time.time() - t
 
     summary = {
@@ -181,9 +183,13 @@ def main(argv: list[str] | None = None) -> int:
         "sglang": {name: judged(r) for name, r in reports.items()},
         "target": {k: info[k] for k in ("source", "package", "version", "weights", "license")},
         "target_dir": str(target),
-        "training": {"steps": recipe.train.max_steps, "status": train_state.get("status"),
-                     "detail": train_state.get("detail"), "rows": a.regen_rows,
-                     "regen_max_new_tokens": a.regen_max_new_tokens},
+        "training": {
+            "steps": recipe.train.max_steps,
+            "status": train_state.get("status"),
+            "detail": train_state.get("detail"),
+            "rows": a.regen_rows,
+            "regen_max_new_tokens": a.regen_max_new_tokens,
+        },
         "training_prompts": [f"{f}[{s}:{s + n}] ({fld})" for f, fld, s, n in MIX],
         "recipe": RECIPE,
         "overrides": overrides,
