@@ -25,6 +25,10 @@ TINY_TARGET := .cache/tiny_target
 TINY_QWEN3 := .cache/tiny_qwen3
 SMOLLM2 := .cache/smollm2
 NPROC ?= 2
+# make loop / make incumbent: tiny (the tiny Qwen3 / Inkling targets) or smollm2 (the real
+# SmolLM2-135M-Instruct: make real-target)
+TARGET ?= tiny
+REAL_DEPS := $(if $(filter smollm2,$(TARGET)),real-target)
 
 # Hermetic runs: nothing reaches a hub; caches stay inside the repo.
 export HF_HUB_OFFLINE := 1
@@ -147,8 +151,9 @@ bakeoff: setup tiny-target
 # The closed loop on shifted traffic: a base drafter for the tiny Qwen3 target, rounds of
 # serve-record-mine-train-gate-swap with SGLang as the judge, and a control trained as many
 # steps on the original mix (runs/loop/summary.json); publish with figures publish loop.
-loop: setup tiny-targets sglang-venv
-	$(PY) scripts/loop.py --nproc $(NPROC)
+# TARGET=smollm2: the same on the real SmolLM2 (runs/loop_real; publish loop_real).
+loop: setup tiny-targets sglang-venv $(REAL_DEPS)
+	$(PY) scripts/loop.py --nproc $(NPROC) --target $(TARGET)
 
 # The same loop served, swapped in place and judged by vLLM (runs/loop_vllm/summary.json);
 # vLLM's CPU engine answers about 8x slower than SGLang's here: shorter answers, fewer guards.
@@ -180,9 +185,11 @@ $(SF_STAMP): requirements-specforge.txt
 # paired intervals pooled over seeds; each of the demo's extras timed alone
 # (runs/incumbent/summary.json; publish with `python -m evaluation.figures publish
 # incumbent`; the ladder of changes between base and the defaults: see docs/incumbent.md).
-# About 40 minutes (by its parts; not yet run whole on a fresh machine).
-incumbent: setup tiny-target specforge-venv
-	$(PY) scripts/incumbent.py --nproc $(NPROC) --timing
+# About 47 minutes on a fresh machine. TARGET=smollm2: the race on the real SmolLM2, both
+# sides offline on the same features (runs/incumbent_real; publish incumbent_real).
+incumbent: setup tiny-target specforge-venv $(REAL_DEPS)
+	$(PY) scripts/incumbent.py --nproc $(NPROC) --target $(TARGET) \
+		$(if $(filter tiny,$(TARGET)),--timing)
 
 # The whole suite (live CPU SGLang and vLLM servers, each in its own venv, and fault drills
 # included); the slowest 40 tests are printed so that the suite's cost stays visible. The

@@ -24,13 +24,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-from evaluation.renderers import RENDER, render_bakeoff, render_drift  # noqa: F401 (tests)
+from evaluation.render_races import render_incumbent, render_loop
+from evaluation.renderers import (
+    render_bakeoff,
+    render_demo,
+    render_drift,
+    render_quality,
+    render_real,
+)
 from specforge_dspark.config.command_line import command_parser
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "docs" / "results"
 README = REPO / "README.md"
-PAGES = (README, *(REPO / "docs" / f for f in ("loop.md", "bakeoff.md", "incumbent.md")))
+PAGES = (README, *(REPO / "docs" / f for f in ("loop.md", "bakeoff.md", "incumbent.md", "real.md")))
 # results name -> (run directory, picture in the run, where the picture is published)
 PUBLISHED = {
     "demo": ("runs/demo", "summary.png", "docs/demo_summary.png"),
@@ -42,7 +49,24 @@ PUBLISHED = {
     "incumbent": ("runs/incumbent", "", ""),
     # the candidates measured one by one (scripts/incumbent.py --variants ...; runs/incumbent)
     "incumbent_ladder": ("runs/incumbent", "", ""),
+    "real": ("runs/real", "summary.png", "docs/real_summary.png"),
+    "loop_real": ("runs/loop_real", "", ""),
+    "incumbent_real": ("runs/incumbent_real", "", ""),
 }
+RENDER = {
+    "demo": render_demo,
+    "real": render_real,
+    "bakeoff": render_bakeoff,
+    "quality": render_quality,
+    "drift": render_drift,
+    "loop": render_loop,
+    "loop_vllm": lambda res: render_loop(res, "loop_vllm"),
+    "loop_real": lambda res: render_loop(res, "loop_real"),
+    "incumbent": render_incumbent,
+    "incumbent_ladder": render_incumbent,
+    "incumbent_real": lambda res: render_incumbent(res, "incumbent_real"),
+}
+"""results name -> the renderer of its figures block."""
 BLOCK = re.compile(r"(<!-- figures:(\w+) -->\n)(.*?)(<!-- /figures:\2 -->)", re.S)
 
 

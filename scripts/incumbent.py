@@ -20,6 +20,11 @@ step of each training run (wall clock of the run, start-up included, / steps).
 Variants (`--variants`): ours with one change each against its PARENT, to find where a
 difference comes from; "base" is our trainer before this comparison, "markov_keep" its
 defaults now. `--timing` also times each of the demo's extras alone (EXTRAS).
+
+`--target smollm2` (`make incumbent TARGET=smollm2`): the same race on the real
+SmolLM2-135M-Instruct (recipes/smollm2_cpu.yaml), both sides offline on the same features
+(ours: the "offline" variant), with the smaller settings of TARGETS that fit this CPU;
+runs/incumbent_real, `publish incumbent_real`.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import demo  # noqa: E402  (scripts/demo.py: on-policy data, evaluation split, tables)
 from specforge_side import SF_PY, train_specforge, write_features  # noqa: E402
 
-RECIPE = "recipes/tiny_cpu.yaml"
+RECIPE = "recipes/tiny_cpu.yaml"  # main() sets the target's (TARGETS)
 # ours with the extras off: the run is training only (what SpecForge's offline run is)
 OURS = (
     "train.epochs=1000",  # train.max_steps decides
@@ -94,6 +99,19 @@ NUM_PROMPTS = 60
 DEMO_PROMPTS = 20
 # re-exports of base's checkpoints, the trained weights unchanged: variant -> export dtype
 REEXPORTS = {"fp32_export": "float32"}
+# per target: recipe, output, on-policy rows (answers of at most `answer_tokens`, `batch` at
+# a time by the hf backend), overrides of every run of ours, and the command line's
+# defaults. SmolLM2 answers ~70 tokens/s batched here and decodes ~8x slower than the tiny
+# target: fewer, shorter rows, fewer steps and prompts; ours offline, as SpecForge.
+TARGETS = {
+    "tiny": {"recipe": RECIPE, "out": "runs/incumbent", "rows": 600, "batch": 60,
+             "answer_tokens": 160, "ours": (), "defaults": {}},
+    "smollm2": {"recipe": "recipes/smollm2_cpu.yaml", "out": "runs/incumbent_real",
+                "rows": 240, "batch": 48, "answer_tokens": 96,
+                "ours": ("target.backend=hf",),  # the capture's source; SpecForge's features
+                "defaults": {"steps": 500, "variants": "offline", "num_prompts": 10,
+                             "max_new_tokens": 64}},
+}  # fmt: skip
 
 
 def train_ours(overrides: list[str], changes: tuple, seed: int, nproc: int, out: Path) -> dict:
@@ -183,7 +201,10 @@ def side(names: list[str], out: Path, workloads: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="runs/incumbent")
+    ap.add_argument("--target", choices=sorted(TARGETS), default="tiny",
+                    help="smollm2: the real SmolLM2-135M-Instruct (make real-target)")  # fmt: skip
+    ap.add_argument("--out", help="default runs/incumbent, with --target smollm2 "
+                    "runs/incumbent_real")  # fmt: skip
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=1500)
@@ -193,7 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timing", action="store_true", help="also time the demo's extras")
     ap.add_argument("--num-prompts", type=int, default=NUM_PROMPTS, help="per workload")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    chosen = TARGETS[ap.parse_known_args(argv)[0].target]
+    ap.set_defaults(**chosen["defaults"])
     a = ap.parse_args(argv)
+    global RECIPE
+    RECIPE = chosen["recipe"]
     os.chdir(REPO)
     if not SF_PY.is_file():
         raise SystemExit(f"{SF_PY} missing: run `make specforge-venv` (or `make incumbent`)")
@@ -207,15 +232,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from evaluation.figures import provenance
     from specforge_dspark.config.recipe import load_recipe
+    from specforge_dspark.targets.real import build_real
     from specforge_dspark.targets.target import build
 
-    out = Path(a.out)
+    out = Path(a.out or chosen["out"])
     base = load_recipe(RECIPE, [f"train.output_dir={out}"])
-    demo.step("1/4 the tiny Inkling target and its on-policy answers (the demo's data)")
-    target = build(Path(base.target.path))
+    demo.step(f"1/4 the target ({a.target}) and its on-policy answers (the demo's data)")
+    target_path = Path(base.target.path)
+    target = build_real(base.target.real, target_path) if base.target.real else build(target_path)
     demo.fresh_for_target(out, target)
-    data = demo.on_policy_data(RECIPE, base, out, 600, 60, 160)
-    overrides = [*data, *OURS, f"train.max_steps={a.steps}"]
+    data = demo.on_policy_data(RECIPE, base, out, chosen["rows"], chosen["batch"],
+                               chosen["answer_tokens"])  # fmt: skip
+    overrides = [*data, *OURS, *chosen["ours"], f"train.max_steps={a.steps}"]
     recipe = load_recipe(RECIPE, [*overrides, f"train.output_dir={out}"])
 
     demo.step(f"2/4 SpecForge 0.2.0 offline, seeds {seeds}")
@@ -301,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
             v: list(VARIANTS.get(v, [f"base re-exported in {REEXPORTS.get(v)}"])) for v in variants
         },  # fmt: skip
         "seeds": seeds,
+        "target": a.target,
+        "recipe": RECIPE,
         "steps": a.steps,
         "overrides": overrides,
         "num_prompts": a.num_prompts,

@@ -20,7 +20,9 @@ under Triton's interpreter, docs/engines.md):
 Writes runs/loop/summary.json (with its provenance), publishable with
 `python -m evaluation.figures publish loop`. With `--engine vllm` (`make loop-vllm`) vLLM
 serves, swaps each promoted drafter in place (loop.swap: reload) and judges:
-runs/loop_vllm/summary.json, `publish loop_vllm`.
+runs/loop_vllm/summary.json, `publish loop_vllm`. With `--target smollm2` (`make loop
+TARGET=smollm2`) the target is the real SmolLM2-135M-Instruct (recipes/smollm2_cpu.yaml)
+with the smaller settings of TARGETS that fit this CPU: runs/loop_real, `publish loop_real`.
 """
 
 from __future__ import annotations
@@ -41,23 +43,36 @@ sys.path.insert(0, str(REPO / "scripts"))
 import demo  # noqa: E402  (scripts/demo.py: prompt mixes and steps)
 import quality  # noqa: E402  (scripts/quality.py: one cached training run per budget)
 
-RECIPE = "recipes/tiny_cpu_sglang.yaml"
-ORIGINAL_MIX = (("train/gsm8k_train.jsonl", "question", 0, 400),)
+# per target: its recipe, where it writes, how many GSM8K questions it answers for the base
+# (answer length), and the defaults of the command line that fit this 2-core CPU. SmolLM2
+# (30 layers, 49152-row head) decodes ~8x slower than the tiny Qwen3 here: fewer and
+# shorter requests, fewer steps, one loop (no mining-by-position variant).
+TARGETS = {
+    "tiny": {"recipe": "recipes/tiny_cpu_sglang.yaml", "out": "runs/loop", "original": 400,
+             "answer_tokens": 128, "defaults": {}},
+    "smollm2": {"recipe": "recipes/smollm2_cpu.yaml", "out": "runs/loop_real", "original": 200,
+                "answer_tokens": 96, "defaults": {"requests": 48, "steps": 100,
+                "base_steps": 300, "max_new_tokens": 48, "guard_prompts": 8,
+                "position_weights": ""}},
+}  # fmt: skip
+RECIPE = TARGETS["tiny"]["recipe"]  # main() sets the target's
 TRAIN = ("target.backend=hf", "train.preflight_samples=0", "tracking.enabled=false",
          "train.eval_interval=0", "export.formats=[sglang]",
          "train.epochs=1000")  # train.max_steps (the budget) decides  # fmt: skip
 TRAFFIC = "[mt_bench,humaneval,math500]"
 
 
-def original_answers(out: Path) -> Path:
-    """The target's greedy answers to ORIGINAL_MIX (messages rows), made once."""
+def original_answers(out: Path, rows: int, answer_tokens: int) -> Path:
+    """The target's greedy answers to the first `rows` GSM8K training questions (messages
+    rows), made once."""
     path = out / "original_mix_answers.jsonl"
     if (out / "original.done").is_file():
         return path
-    mix = demo.prompt_mix(out / "original_mix.jsonl", ORIGINAL_MIX)
+    mix = demo.prompt_mix(out / "original_mix.jsonl", (("train/gsm8k_train.jsonl", "question",
+                                                         0, rows),))  # fmt: skip
     cmd = [sys.executable, "-m", "data_pipelines.regenerate", "--recipe", RECIPE,
            "--input", str(mix), "--format", "messages", "--out", str(path), "--backend", "hf",
-           "--batch-size", "50", "--max-new-tokens", "128", "--quiet"]  # fmt: skip
+           "--batch-size", "50", "--max-new-tokens", str(answer_tokens), "--quiet"]  # fmt: skip
     subprocess.run(cmd, check=True, cwd=REPO)
     (out / "original.done").write_text("")
     return path
@@ -179,7 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", choices=("sglang", "vllm"), default="sglang",
                     help="the serving engine and judge (vllm: drafters swapped in place, "
                     "loop.swap: reload; results in runs/loop_vllm)")  # fmt: skip
-    ap.add_argument("--out", help="default runs/loop, with --engine vllm runs/loop_vllm")
+    ap.add_argument("--target", choices=sorted(TARGETS), default="tiny",
+                    help="smollm2: the real SmolLM2-135M-Instruct (make real-target)")  # fmt: skip
+    ap.add_argument("--out", help="default runs/loop, with --engine vllm runs/loop_vllm, with "
+                    "--target smollm2 runs/loop_real")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--requests", type=int, default=96, help="served requests per round")
     ap.add_argument("--steps", type=int, default=150, help="training steps per round")
@@ -190,7 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--position-weights", default="1,0.5,0.25,0.125",
                     help="also run the loop mining by these weights per draft position "
                     "(loop.position_weights; '' for the plain loop alone)")  # fmt: skip
+    ap.set_defaults(**TARGETS[ap.parse_known_args(argv)[0].target]["defaults"])
     a = ap.parse_args(argv)
+    global RECIPE
+    chosen = TARGETS[a.target]
+    RECIPE = chosen["recipe"]
     os.chdir(REPO)
     t0 = time.time()
     from transformers import AutoTokenizer
@@ -203,11 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     from specforge_dspark.loop.round import Loop
     from specforge_dspark.loop.serve import ENGINES, stop_token_ids
 
-    out = Path(a.out or ("runs/loop" if a.engine == "sglang" else "runs/loop_vllm")).resolve()
+    default_out = chosen["out"] if a.engine == "sglang" else f"{chosen['out']}_vllm"
+    out = Path(a.out or default_out).resolve()
     train = TRAIN if a.engine == "sglang" else (*TRAIN, "export.formats=[sglang,speculators]")
     out.mkdir(parents=True, exist_ok=True)
     demo.step("1/4 the base drafter, trained on the target's answers to GSM8K questions")
-    original = original_answers(out)
+    original = original_answers(out, chosen["original"], chosen["answer_tokens"])
     base = quality.train_budget(RECIPE, original, a.base_steps, out / "base", a.nproc, train)
 
     demo.step(f"2/4 {a.rounds} rounds of the loop on shifted traffic {TRAFFIC}")
@@ -307,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             "max_new_tokens": a.max_new_tokens,
             "guard_prompts": a.guard_prompts,
             "traffic": TRAFFIC,
+            "target": a.target,
+            "original_rows": chosen["original"],
             "recipe": RECIPE,
             "position_weights": a.position_weights,
             "engine": a.engine,

@@ -92,6 +92,14 @@ def test_the_key_file_is_the_job_users_only(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
+def test_the_key_file_goes_into_an_output_dir_not_made_yet(tmp_path):
+    """A fresh recipe's preflight starts the server before anything made train.output_dir
+    (issue 57: `No such file or directory: 'runs/smol/.sglang_server_rank0.key.N'`)."""
+    path = tmp_path / "runs" / "smol" / "sglang_server_rank0.key"
+    write_key_file(path, "key")
+    assert read_key_file(path) == "key" and stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
 def test_the_key_comes_from_the_named_variable_or_is_generated(monkeypatch):
     section = recipe_from_dict({}).target.sglang
     a, b = started_key(section, "sglang"), started_key(section, "sglang")

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from specforge_dspark.drafters.conventions import CONVENTIONS_KEY
 
+from specforge_dspark.drafters.conventions import CONVENTIONS_KEY
 from specforge_dspark.drafters.dflash import DFlashConfig, DFlashDraft
 from specforge_dspark.export import ExportError
 from specforge_dspark.export import dflash as export_dflash

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from specforge_dspark.drafters.conventions import CONVENTIONS_KEY
 
 import train
 from specforge_dspark.config.recipe import RecipeError, load_recipe
+from specforge_dspark.drafters.conventions import CONVENTIONS_KEY
 from specforge_dspark.drafters.dspark import DSparkConfig
 from specforge_dspark.drafters.registry import new_draft
 from specforge_dspark.export.speculators import speculators_config

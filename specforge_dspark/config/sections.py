@@ -239,13 +239,15 @@ class DistRecipe:
     deterministic: bool = False
     """torch's deterministic kernels (warn where none exists): bitwise-repeatable CUDA runs
     and resumes at some speed cost. CPU runs are bitwise repeatable without it."""
-    timeout_s: float = 7200.0
-    """Process-group timeout: a collective waiting longer fails the run. Start-up waits
-    on the target servers separately (their startup_timeout_s; distributed.py). Mid-run,
-    peers wait in a collective while a rank's SGLang server is lost and restarts, so a
-    recipe whose target.timeout_s + target.max_restarts x (target.sglang.startup_timeout_s
-    + target.timeout_s) (+ backoff) exceeds this is refused at load (config/validate.py);
-    the default covers the defaults' 300 + 3 x (1800 + 300) s."""
+    timeout_s: float = 0.0
+    """Process-group timeout: a collective waiting longer fails the run. 0 (the default) =
+    auto: the longer of 2 h and what a lost SGLang server may keep the peers waiting in a
+    collective mid-run (target.timeout_s + target.max_restarts x
+    (target.sglang.startup_timeout_s + target.timeout_s) + backoff) plus 10 min
+    (config/validate.py `dist_timeout_s`), so that a recipe which raises a target timeout
+    needs no second edit here. A value set here must cover that budget (refused at load,
+    naming the numbers). Start-up waits on the target servers separately (their
+    startup_timeout_s; distributed.py)."""
 
 
 @dataclass

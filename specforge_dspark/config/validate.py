@@ -142,7 +142,7 @@ def validate(r: Recipe) -> list[str]:
         f"dist.zero_stage must be 0, 1 or 2, got {r.dist.zero_stage}: ZeRO-3 partitions "
         "parameters that the Markov head and the fused vocab loss read directly",
     )
-    need(r.dist.timeout_s > 0, f"dist.timeout_s must be > 0, got {r.dist.timeout_s}")
+    need(r.dist.timeout_s >= 0, f"dist.timeout_s must be >= 0 (0 = auto), got {r.dist.timeout_s}")
     need(r.checkpoint.save_interval >= 1, "checkpoint.save_interval must be >= 1")
     need(r.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1")
     need(len(r.export.formats) == len(set(r.export.formats)), "export.formats has duplicates")
@@ -264,10 +264,23 @@ def restart_budget_s(r: Recipe) -> float:
     return g.timeout_s + n * (startup + g.timeout_s) + g.restart_backoff_s * (2**n - 1)
 
 
+DIST_TIMEOUT_FLOOR_S = 7200.0
+DIST_TIMEOUT_MARGIN_S = 600.0
+
+
+def dist_timeout_s(r: Recipe) -> float:
+    """The process-group timeout of the run: dist.timeout_s, or when it is 0 (auto) the
+    longer of DIST_TIMEOUT_FLOOR_S and the restart budget plus DIST_TIMEOUT_MARGIN_S."""
+    if r.dist.timeout_s:
+        return r.dist.timeout_s
+    return max(DIST_TIMEOUT_FLOOR_S, restart_budget_s(r) + DIST_TIMEOUT_MARGIN_S)
+
+
 def restart_budget_problem(r: Recipe) -> str:
-    """The message when server restarts may outlast dist.timeout_s ("" when they cannot)."""
+    """The message when server restarts may outlast a dist.timeout_s the recipe sets ("" when
+    they cannot, or when it is auto)."""
     g, budget = r.target, restart_budget_s(r)
-    if budget <= r.dist.timeout_s:
+    if not r.dist.timeout_s or budget <= r.dist.timeout_s:
         return ""
     key, n = f"target.{g.backend}.startup_timeout_s", g.max_restarts
     startup = getattr(g, g.backend).startup_timeout_s

@@ -54,7 +54,9 @@ def from_env(name: str, recipe_key: str) -> str | None:
 
 def write_key_file(path: Path, key: str) -> None:
     """`key` to `path`, created 0600 whatever the umask (a new file, then renamed over
-    an earlier job's)."""
+    an earlier job's), its folder made first: the first thing a run writes into
+    train.output_dir may be this key (a preflight on a fresh machine)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.unlink(missing_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -15,12 +15,13 @@ from datetime import timedelta
 import torch
 
 from specforge_dspark.config.recipe import Recipe
+from specforge_dspark.config.validate import dist_timeout_s
 
 
 def init_distributed(recipe: Recipe) -> tuple[int, int, torch.device]:
     """torchrun's env (or a single process); gloo on CPU, NCCL on GPU. Collectives time
-    out after dist.timeout_s; with several ranks a gloo group for `wait_for_every_rank`
-    is made here too (group creation is collective)."""
+    out after config.validate.dist_timeout_s; with several ranks a gloo group for
+    `wait_for_every_rank` is made here too (group creation is collective)."""
     import deepspeed
     import torch.distributed as dist
 
@@ -39,12 +40,12 @@ def init_distributed(recipe: Recipe) -> tuple[int, int, torch.device]:
     if cuda:
         torch.cuda.set_device(local)
     deepspeed.init_distributed(
-        dist_backend=backend, timeout=timedelta(seconds=recipe.dist.timeout_s)
+        dist_backend=backend, timeout=timedelta(seconds=dist_timeout_s(recipe))
     )
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     global _STARTUP_GROUP
     if dist.get_world_size() > 1:
-        wait_s = startup_timeout_s(recipe) + recipe.dist.timeout_s
+        wait_s = startup_timeout_s(recipe) + dist_timeout_s(recipe)
         _STARTUP_GROUP = dist.new_group(backend="gloo", timeout=timedelta(seconds=wait_s))
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
 
@@ -65,9 +66,9 @@ def startup_timeout_s(recipe: Recipe) -> float:
 
 def wait_for_every_rank() -> None:
     """Barrier after each rank's target server answered: every node's server may take up
-    to its startup_timeout_s, longer than dist.timeout_s, so the first training collective
-    must not be where a fast node waits for a slow one. This barrier's group times out at
-    startup_timeout_s + dist.timeout_s."""
+    to its startup_timeout_s, longer than the process-group timeout, so the first training
+    collective must not be where a fast node waits for a slow one. This barrier's group
+    times out at startup_timeout_s + the process-group timeout."""
     import torch.distributed as dist
 
     if _STARTUP_GROUP is not None:

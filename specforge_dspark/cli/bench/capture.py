@@ -20,12 +20,24 @@ import sys
 import tempfile
 import time
 from concurrent.futures import Future
+from pathlib import Path
 
 from specforge_dspark.cli.bench import bench_parser, tiny_target
 from specforge_dspark.engines.launch import free_port
 
+TARGET = ".cache/tiny_qwen3"
 
-def bench_recipe(target: str, output_dir: str, max_length: int):
+
+def recipes(workdir: Path, target: str = TARGET, max_length: int = 0) -> list:
+    """The recipe the bench serves its target with (max_length 0: the target's context)."""
+    from specforge_dspark.engines.tap import read_target_config
+
+    context = max_length or read_target_config(target)["max_position_embeddings"]
+    return [bench_recipe(target, str(workdir), context)]
+
+
+def bench_recipe(target: str, output_dir: str, max_length: int, transport="shm", **sglang):
+    """A live CPU SGLang server's recipe for `target` (`sglang`: more of its section)."""
     from specforge_dspark.config.recipe import recipe_from_dict
 
     return recipe_from_dict(
@@ -36,7 +48,8 @@ def bench_recipe(target: str, output_dir: str, max_length: int):
                 "device": "cpu",
                 "prefetch": 1,
                 "timeout_s": 600,
-                "sglang": {"port": free_port()},
+                "transport": transport,
+                "sglang": {"port": free_port(), **sglang},
             },
             "draft": {"target_layer_ids": [0, 1, 2], "num_target_layers": 4, "vocab_size": 1088},
             "data": {"max_length": max_length},
@@ -77,19 +90,17 @@ def bench_main(argv: list[str] | None = None) -> int:
     import torch
 
     from specforge_dspark.engines.sglang import SGLangEngine
-    from specforge_dspark.engines.tap import read_target_config
     from specforge_dspark.transport.features import PaddedBatch
 
     ap = bench_parser("capture", __doc__)
-    ap.add_argument("--target", default=".cache/tiny_qwen3", help="built here if missing")
+    ap.add_argument("--target", default=TARGET, help="built here if missing")
     ap.add_argument("--repeats", type=int, default=8, help="timed prefills of each kind")
     ap.add_argument("--seq-len", type=int, default=0, help="0: the longest the server takes")
     a = ap.parse_args(argv)
     log = lambda *x: print(*x, file=sys.stderr, flush=True)  # noqa: E731
     target = tiny_target(a.target, arch="qwen3")
-    context = read_target_config(target)["max_position_embeddings"]
     with tempfile.TemporaryDirectory(prefix="bench-capture-") as out:
-        engine = SGLangEngine(bench_recipe(target, out, context), rank=0, world_size=1, num_slots=2)
+        engine = SGLangEngine(recipes(Path(out), target)[0], rank=0, world_size=1, num_slots=2)
         try:
             t0 = time.monotonic()
             engine.wait_ready()

@@ -38,15 +38,27 @@ COMPANION = {
 }
 
 
-def run(out: Path, steps: int, drafters: int) -> dict:
-    """One training run; its figures."""
+def overrides(out: Path, steps: int, drafters: int) -> list[str]:
+    """RECIPE's overrides for the run of one or two drafters."""
     extra = [f"companions={json.dumps([COMPANION])}"] if drafters == 2 else []
-    cmd = [
-        sys.executable, "train.py", "--recipe", RECIPE, "--resume", "none",
+    return [
         f"train.output_dir={out}", f"train.max_steps={steps}", "train.log_interval=10",
         "train.eval_interval=0", "train.preflight_samples=0", f"checkpoint.save_interval={steps}",
         "export.formats=[]", "tracking.enabled=false", *extra,
     ]  # fmt: skip
+
+
+def recipes(workdir: Path, steps: int = 60) -> list:
+    """The recipes of the two runs (one drafter, two), through the strict loader."""
+    from specforge_dspark.config.recipe import load_recipe
+
+    return [load_recipe(REPO / RECIPE, overrides(workdir / f"n{n}", steps, n)) for n in (1, 2)]
+
+
+def run(out: Path, steps: int, drafters: int) -> dict:
+    """One training run; its figures."""
+    cmd = [sys.executable, "train.py", "--recipe", RECIPE, "--resume", "none",
+           *overrides(out, steps, drafters)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if p.returncode:
@@ -72,6 +84,7 @@ def bench_main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     figures = {}
     with tempfile.TemporaryDirectory(prefix="bench-drafters-") as tmp:
+        recipes(Path(tmp), a.steps)  # refused before either run
         for n in (1, 2):
             figures[n] = f = run(Path(tmp) / f"n{n}", a.steps, n)
             print(

@@ -19,6 +19,7 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from specforge_dspark.cli.bench import bench_parser
 
@@ -28,6 +29,33 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 # Unchunked fp32 peak ~ BASE_MB + VOCAB_COPIES logical-vocab fp32 rows per slot (fitted to
 # 3.1 GB at 128 and 5.3 GB at 256 anchors).
 BASE_MB, VOCAB_COPIES = 930, 3.0
+
+
+def draft_fields(kind: str, block_size: int) -> dict:
+    """The draft section of a configuration (the rest: DraftRecipe's defaults)."""
+    return dict(kind=kind, vocab_size=VOCAB_ROWS, mask_token_id=MASK_TOKEN,
+                target_layer_ids=[1, 3, 5], num_target_layers=8, block_size=block_size)  # fmt: skip
+
+
+def recipes(
+    workdir: Path,
+    kind: str = "dspark",
+    block_sizes=(7, 16),
+    anchors=(32, 256),
+    chunks=(32,),
+) -> list:
+    """Each configuration's draft and objective as a recipe through the strict loader (what
+    a training run would be refused for is refused here first); the defaults' by default."""
+    from specforge_dspark.config.recipe import recipe_from_dict
+
+    return [
+        recipe_from_dict({
+            "draft": draft_fields(kind, G),
+            "objective": {"num_anchors": n, "chunk_size": c},
+            "train": {"output_dir": str(workdir)},
+        })
+        for G in block_sizes for n in anchors for c in chunks
+    ]  # fmt: skip
 
 
 def bench_main(argv: list[str] | None = None) -> int:
@@ -45,6 +73,7 @@ def bench_main(argv: list[str] | None = None) -> int:
         line = _objective_once(a.kind, a.block_sizes[0], a.anchors[0], a.chunks[0], a.dtype)
         print(line, flush=True)
         return 0
+    recipes(Path("runs/bench"), a.kind, a.block_sizes, a.anchors, a.chunks)  # refused early
     failed = 0
     for G in a.block_sizes:
         tag = f"objective kind={a.kind} G={G} dtype={a.dtype}"
@@ -106,14 +135,7 @@ def _objective_once(
 
     dtype = getattr(torch, DTYPES[dtype_name])
     torch.manual_seed(0)
-    recipe = DraftRecipe(
-        kind=kind,
-        vocab_size=VOCAB_ROWS,
-        mask_token_id=MASK_TOKEN,
-        target_layer_ids=[1, 3, 5],
-        num_target_layers=8,
-        block_size=block_size,
-    )
+    recipe = DraftRecipe(**draft_fields(kind, block_size))
     draft = new_draft(recipe).to(dtype)
     compute_loss = loss_fn(kind)
     H = recipe.hidden_size

@@ -30,16 +30,36 @@ REPO = Path(__file__).resolve().parents[3]
 RECIPE = "recipes/tiny_cpu.yaml"
 
 
-def run(out: Path, steps: int, packed: bool, anchors: int | None) -> dict:
-    """One training run; its figures."""
+def overrides(out: Path, steps: int, packed: bool, anchors: int | None) -> list[str]:
+    """RECIPE's overrides for one run."""
     extra = [f"objective.num_anchors={anchors}"] if anchors else []
-    cmd = [
-        sys.executable, "train.py", "--recipe", RECIPE, "--resume", "none",
+    return [
         f"train.output_dir={out}", f"train.max_steps={steps}", f"data.pack={str(packed).lower()}",
         "train.log_interval=1", "train.eval_interval=0", "train.preflight_samples=0",
         f"checkpoint.save_interval={steps}", "export.formats=[]", "tracking.enabled=false",
         *extra,
     ]  # fmt: skip
+
+
+def configs(anchors=(64, 128)) -> list[tuple[bool, int | None]]:
+    """(packed, num_anchors) of each run: the unpacked baseline first."""
+    return [(False, None)] + [(True, n) for n in anchors]
+
+
+def recipes(workdir: Path, steps: int = 100, anchors=(64, 128)) -> list:
+    """The recipe of each run, through the strict loader."""
+    from specforge_dspark.config.recipe import load_recipe
+
+    return [
+        load_recipe(REPO / RECIPE, overrides(workdir / f"run{i}", steps, packed, n))
+        for i, (packed, n) in enumerate(configs(anchors))
+    ]
+
+
+def run(out: Path, steps: int, packed: bool, anchors: int | None) -> dict:
+    """One training run; its figures."""
+    cmd = [sys.executable, "train.py", "--recipe", RECIPE, "--resume", "none",
+           *overrides(out, steps, packed, anchors)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if p.returncode:
@@ -63,13 +83,10 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--anchors", type=int, nargs="+", default=[64, 128], help="packed runs")
     a = ap.parse_args(argv)
-    from specforge_dspark.config.recipe import load_recipe
-
-    default = load_recipe(REPO / RECIPE).objective.num_anchors
-    configs = [(False, None)] + [(True, n) for n in a.anchors]
     base = None
     with tempfile.TemporaryDirectory(prefix="bench_pack_") as tmp:
-        for i, (packed, anchors) in enumerate(configs):
+        default = recipes(Path(tmp), a.steps, a.anchors)[0].objective.num_anchors  # refused early
+        for i, (packed, anchors) in enumerate(configs(a.anchors)):
             r = run(Path(tmp) / f"run{i}", a.steps, packed, anchors)
             base = base or r
             speedup = r["anchor_tokens_per_s"] / base["anchor_tokens_per_s"]

@@ -51,6 +51,37 @@ SHAPES = {
 REPO = Path(__file__).resolve().parents[3]
 
 
+def draft_fields(kind: str, G: int, shape: dict) -> dict:
+    """The draft section of a configuration at `shape` (SHAPES)."""
+    V = shape["vocab"]
+    return dict(
+        kind=kind, hidden_size=shape["hidden"], num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["head_dim"], intermediate_size=shape["intermediate"], vocab_size=V,
+        mask_token_id=min(MASK_TOKEN, V - 1), markov_rank=shape["markov_rank"],
+        target_layer_ids=list(range(shape["aux"])), num_target_layers=shape["aux"] + 2,
+        block_size=G,
+    )  # fmt: skip
+
+
+def recipes(workdir: Path, shape=None, kind: str = "dspark", block_sizes=(7,), anchors=None):
+    """Each configuration as a recipe through the strict loader (what a training run would
+    be refused for is refused here first); the defaults' (the cpu shape) by default."""
+    from specforge_dspark.config.recipe import recipe_from_dict
+
+    shape = shape or SHAPES["cpu"]
+    return [
+        recipe_from_dict({
+            "draft": draft_fields(kind, G, shape),
+            "objective": {"num_anchors": n, "chunk_size": shape["chunk"]},
+            "data": {"max_length": shape["seq_len"]},
+            "dist": {"precision": shape["dtype"]},
+            "train": {"output_dir": str(workdir)},
+        })
+        for G in block_sizes for n in anchors or [shape["anchors"]]
+    ]  # fmt: skip
+
+
 def bench_main(argv: list[str] | None = None) -> int:
     """Runs each configuration (and its baseline) in a fresh subprocess, prints its line."""
     ap = bench_parser("step", __doc__)
@@ -75,6 +106,7 @@ def bench_main(argv: list[str] | None = None) -> int:
         line = step_once(a, a.block_sizes[0], shape)
         print(line, flush=True)
         return 0
+    recipes(Path("runs/bench"), shape, a.kind, a.block_sizes, a.anchors)  # refused early
     failed = 0
     trees = [("baseline", a.baseline_tree.resolve())] if a.baseline_tree else []
     trees.append(("new", REPO))
@@ -125,14 +157,7 @@ def step_once(a: argparse.Namespace, G: int, shape: dict) -> str:
     print(f"step package={Path(specforge_dspark.__file__).resolve()}", flush=True)
     device, dtype = torch.device(device_name), getattr(torch, DTYPES[shape["dtype"]])
     S, H, V, N = shape["seq_len"], shape["hidden"], shape["vocab"], shape["anchors"]
-    draft_recipe = DraftRecipe(
-        kind=kind, hidden_size=H, num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
-        head_dim=shape["head_dim"], intermediate_size=shape["intermediate"], vocab_size=V,
-        mask_token_id=min(MASK_TOKEN, V - 1), markov_rank=shape["markov_rank"],
-        target_layer_ids=list(range(shape["aux"])), num_target_layers=shape["aux"] + 2,
-        block_size=G,
-    )  # fmt: skip
+    draft_recipe = DraftRecipe(**draft_fields(kind, G, shape))
     torch.manual_seed(0)
     with device:
         draft = new_draft(draft_recipe).to(dtype)

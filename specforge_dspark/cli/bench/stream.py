@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from specforge_dspark.cli.bench import bench_parser, tiny_target
@@ -29,16 +30,17 @@ from specforge_dspark.engines import hf
 from specforge_dspark.training.stream import FeatureStream
 from specforge_dspark.transport.features import TargetFeatures
 
+TARGET = ".cache/tiny_target"
 
-def _bench_recipe(target: str, prefetch: int):
+
+def recipes(workdir: Path, target: str = TARGET) -> list:
+    """The recipe of the bench's feature streams (the hf backend)."""
     from specforge_dspark.config.recipe import recipe_from_dict
 
-    return recipe_from_dict(
-        {
-            "target": {"path": target, "prefetch": prefetch, "batch_size": 1, "timeout_s": 300},
-            "draft": {"target_layer_ids": [0, 1, 2], "num_target_layers": 4, "vocab_size": 1088},
-        }
-    )
+    target_section = {"path": target, "prefetch": 2, "batch_size": 1, "timeout_s": 300}
+    draft = {"target_layer_ids": [0, 1, 2], "num_target_layers": 4, "vocab_size": 1088}
+    train = {"output_dir": str(workdir)}
+    return [recipe_from_dict({"target": target_section, "draft": draft, "train": train})]
 
 
 def _bench_batches(n: int, seq_len: int, seed: int) -> list[list[Any]]:
@@ -92,7 +94,7 @@ def _bench_rank(rank: int, world: int, target: str, n: int, seq_len: int, conn) 
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (2 * world)))
     os.environ["LOCAL_WORLD_SIZE"] = str(world)
-    recipe = _bench_recipe(target, prefetch=2)
+    recipe = recipes(Path("runs/bench"), target)[0]
     step = None
     with FeatureStream(recipe, rank=rank, world_size=world) as stream:
         batches = _bench_batches(n, seq_len, seed=rank + 1)
@@ -134,7 +136,7 @@ def _bench_transfer(target: str, n: int, seq_len: int, transfer_len: int) -> tup
 
 def _stream_rate(target: str, n: int, seq_len: int):
     """(bytes/s one rank receives, the last batch's tensors) for n timed batches."""
-    with FeatureStream(_bench_recipe(target, prefetch=2)) as stream:
+    with FeatureStream(recipes(Path("runs/bench"), target)[0]) as stream:
         batches = _bench_batches(n + 1, seq_len, seed=0)
         next(iter(stream.iterate(batches[:1])))  # warm-up
         stream.bytes_out, stream.wait_seconds, stream.engine.forward_seconds = 0, 0.0, 0.0
@@ -158,7 +160,7 @@ def bench_main(argv: list[str] | None = None) -> int:
     import multiprocessing as mp
 
     ap = bench_parser("stream", __doc__)
-    ap.add_argument("--target", default=".cache/tiny_target", help="built here if missing")
+    ap.add_argument("--target", default=TARGET, help="built here if missing")
     ap.add_argument("--batches", type=int, default=24, help="timed batches per rank")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument(

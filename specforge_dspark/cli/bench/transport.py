@@ -26,10 +26,24 @@ import multiprocessing as mp
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 from specforge_dspark.cli.bench import bench_parser, tiny_target
 
 LAYERS = [0, 1, 2]
+TARGET = ".cache/tiny_qwen3"
+SEQ_LEN = 2048
+
+
+def recipes(workdir: Path, target: str = TARGET, seq_len: int = SEQ_LEN, url: str = "") -> list:
+    """The recipes of the bench's two engines (capture.bench_recipe at `seq_len`): the one
+    that starts the live server at 127.0.0.2 (features by /dev/shm), and the one that
+    attaches to it at `url` (default: that server's address) by Mooncake."""
+    from specforge_dspark.cli.bench.capture import bench_recipe
+
+    started = bench_recipe(target, str(workdir), seq_len, host="127.0.0.2")
+    url = url or f"http://127.0.0.2:{started.target.sglang.port}"
+    return [started, bench_recipe(target, str(workdir), seq_len, "mooncake", url=url)]
 
 
 def _writer(location: str, path: str, rows: int, aux_w: int, hidden: int, reps: int, conn):
@@ -88,25 +102,20 @@ def _write_rates(target: str, rows: int, reps: int) -> tuple[float, float]:
 def _request_seconds(target: str, rows: int, reps: int) -> tuple[float, float]:
     import torch
 
-    from specforge_dspark.cli.bench.capture import bench_recipe
     from specforge_dspark.engines.sglang import SGLangEngine
     from specforge_dspark.transport.features import PaddedBatch
 
     ids = torch.randint(10, 1000, (1, rows), generator=torch.Generator().manual_seed(0))
     batch = PaddedBatch([0], ids, torch.ones_like(ids), torch.tensor([rows]))
     with tempfile.TemporaryDirectory(prefix="bench-transport-") as out:
-        recipe = bench_recipe(target, out, rows)
-        recipe.target.sglang.host = "127.0.0.2"
-        starter = SGLangEngine(recipe, rank=0, world_size=1, num_slots=1)
+        started, _ = recipes(Path(out), target, rows)
+        starter = SGLangEngine(started, rank=0, world_size=1, num_slots=1)
         engines = {"shm": starter}
         try:
             starter.wait_ready()
-            url = starter.url
-            for kind in ("mooncake",):
-                r = bench_recipe(target, out, rows)
-                r.target.sglang.url, r.target.transport = url, kind
-                engines[kind] = SGLangEngine(r, rank=0, world_size=1, num_slots=1)
-                engines[kind].wait_ready()
+            attached = recipes(Path(out), target, rows, url=starter.url)[1]
+            engines["mooncake"] = SGLangEngine(attached, rank=0, world_size=1, num_slots=1)
+            engines["mooncake"].wait_ready()
             times: dict[str, list[float]] = {"shm": [], "mooncake": []}
             for i in range(reps + 1):
                 for kind in ("shm", "mooncake") if i % 2 else ("mooncake", "shm"):
@@ -163,8 +172,8 @@ def _trainer_seconds(target: str, rows: int, reps: int) -> tuple[float, float, s
 def bench_main(argv: list[str] | None = None) -> int:
 
     ap = bench_parser("transport", __doc__)
-    ap.add_argument("--target", default=".cache/tiny_qwen3", help="built here if missing")
-    ap.add_argument("--seq-len", type=int, default=2048, help="tokens per request")
+    ap.add_argument("--target", default=TARGET, help="built here if missing")
+    ap.add_argument("--seq-len", type=int, default=SEQ_LEN, help="tokens per request")
     ap.add_argument("--repeats", type=int, default=20, help="timed requests per transport")
     a = ap.parse_args(argv)
     target = tiny_target(a.target, arch="qwen3")
