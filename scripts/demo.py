@@ -76,10 +76,11 @@ def prompt_mix(out: Path, mix: tuple = PROMPT_MIX) -> Path:
 
 
 def on_policy_data(recipe_path: str, base, out: Path, rows: int, batch: int,
-                   max_new_tokens: int) -> list[str]:  # fmt: skip
+                   max_new_tokens: int, overrides=()) -> list[str]:  # fmt: skip
     """The target answers PROMPT_MIX's first `rows` prompts and EVAL_REGEN_ROWS GSM8K test
     prompts (out/data/, regenerated only where missing rows); the recipe overrides that
-    train on them (`base`: the recipe loaded from `recipe_path`)."""
+    train on them (`base`: the recipe loaded from `recipe_path`; `overrides`: the
+    regeneration's own, e.g. another target.path)."""
     regen = out / "data" / "mix_regenerated.jsonl"
     regen_eval = out / "data" / "gsm8k_test_regenerated.jsonl"  # teacher-forced eval rows
     mix = prompt_mix(out / "data" / "prompt_mix.jsonl")
@@ -91,7 +92,7 @@ def on_policy_data(recipe_path: str, base, out: Path, rows: int, batch: int,
             sys.executable, "-m", "data_pipelines.regenerate", "--recipe", recipe_path,
             "--input", *src, "--format", fmt, "--out", str(dst), "--backend", "hf",
             "--batch-size", str(batch), "--max-new-tokens", str(max_new_tokens),
-            "--max-rows", str(n), "--quiet",
+            "--max-rows", str(n), "--quiet", *overrides,
         ]  # fmt: skip
         print(" ".join(cmd[2:]), flush=True)
         subprocess.run(cmd, check=True)
