@@ -201,7 +201,7 @@ incumbent: setup tiny-target specforge-venv $(REAL_DEPS)
 TEST_WORKERS ?= 2
 test:
 	@df -h . | awk 'NR == 2 {print "disk: " $$4 " free (a clean clone installs ~16 GB of venvs)"}'
-	$(MAKE) -j3 setup vllm-venv sglang-venv tiny-targets deepspeed-ops mooncake-libs
+	$(MAKE) -j3 setup vllm-venv sglang-venv tiny-targets deepspeed-ops mooncake-libs real-target
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup \
 		--no-loadscope-reorder --durations=40
 

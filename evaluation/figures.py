@@ -37,10 +37,8 @@ from specforge_dspark.config.command_line import command_parser
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "docs" / "results"
 README = REPO / "README.md"
-PAGES = (
-    README,
-    *(REPO / "docs" / f for f in ("loop.md", "bakeoff.md", "incumbent.md", "real.md", "engines.md")),
-)
+DOCS_WITH_FIGURES = ("loop.md", "bakeoff.md", "incumbent.md", "real.md", "engines.md")
+PAGES = (README, *(REPO / "docs" / f for f in DOCS_WITH_FIGURES))
 # results name -> (run directory, picture in the run, where the picture is published)
 PUBLISHED = {
     "demo": ("runs/demo", "summary.png", "docs/demo_summary.png"),

@@ -137,8 +137,9 @@ def render_incumbent(res: dict, name: str = "incumbent") -> str:
         "run, start-up included, / steps; mean and range over the seeds): SpecForge offline "
         f"{mean_step('specforge')}; ours "
         + ", ".join(f"{v} {mean_step(v)}" for v in res["paired"] if v not in reexported)
-        + " (offline: the same features from disk; every other variant online from the live "
-        "target).",
+        + (" (offline: the same features from disk" if "offline" in res["paired"] else " (")
+        + ("; every other variant" if "offline" in res["paired"] else "every variant")
+        + " online from the live target).",
     ]
     if res.get("extras"):
         costs = ", ".join(f"{k} {e['cost_per_step']:+.4f} s" for k, e in res["extras"].items())

@@ -100,7 +100,8 @@ def test_a_missing_truncated_or_other_wheel_is_refused_saying_what_to_do(tmp_pat
 
 
 def test_init_recipe_names_the_tokens_it_considered_and_agrees_with_the_recipe(smollm2_dir):
-    from specforge_dspark.cli.init_recipe import choose_mask_token, draft_section
+    from specforge_dspark.cli.init_recipe import draft_section
+    from specforge_dspark.cli.mask_token import choose_mask_token
     from specforge_dspark.config.recipe import load_recipe
 
     text = json.loads((smollm2_dir / "config.json").read_text())

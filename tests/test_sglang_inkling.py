@@ -106,24 +106,33 @@ def _cached(log: str, new_tokens: int) -> list[int]:
     return [int(c) for n, c in re.findall(pattern, log) if int(n) + int(c) == new_tokens]
 
 
+def _logged_prefills(server, tokens: int, count: int) -> list[int]:
+    """The cached-token counts of the prefills of `tokens` tokens in `server`'s log, once it
+    holds `count` of them: the scheduler's line reaches the log (through the key redactor)
+    after the reply may have."""
+    deadline = time.monotonic() + 30
+    while len(seen := _cached(server.log_path.read_text(), tokens)) < count:
+        assert time.monotonic() < deadline, f"{len(seen)} of {count} prefills logged: {seen}"
+        time.sleep(0.5)
+    return seen
+
+
 def test_a_repeated_sequence_is_prefilled_again(inkling_server, tiny_target_dir):
     """Inkling keeps the radix cache on: a plain request sent twice reuses its prefix (the
     control), while our feature requests (the plugin caps their prefix at 0) never do."""
     (batch,) = _batches([[56]], seed=11)
     recipe = _live_recipe(tiny_target_dir, inkling_server.url)
+    before = len(_cached(inkling_server.log_path.read_text(), 56))
     first, second = _collect(recipe, [batch]), _collect(recipe, [batch])
     assert _max_diff(first, second) == 0.0
-    log = inkling_server.log_path.read_text()
-    assert _cached(log, 56)[-2:] == [0, 0], "a feature request reused a cached prefix"
+    prefills = _logged_prefills(inkling_server, 56, before + 2)
+    assert prefills[-2:] == [0, 0], "a feature request reused a cached prefix"
 
     # 80 tokens: a 48-token control found no cached prefix (Inkling caches whole pages)
     control = torch.randint(10, 1000, (80,), generator=torch.Generator().manual_seed(5)).tolist()
     _generate(inkling_server.url, control)
     _generate(inkling_server.url, control)
-    deadline = time.monotonic() + 30  # the scheduler's log line may land after the reply
-    while len(reused := _cached(inkling_server.log_path.read_text(), 80)) < 2:
-        assert time.monotonic() < deadline, f"one prefill of the control logged: {reused}"
-        time.sleep(0.5)
+    reused = _logged_prefills(inkling_server, 80, 2)
     assert reused[0] == 0 and reused[-1] > 0, f"the radix cache is off? {reused}"
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import textwrap
 from pathlib import Path
@@ -39,6 +38,7 @@ from typing import Any
 
 import yaml
 
+from specforge_dspark.cli.mask_token import choose_mask_token
 from specforge_dspark.config.command_line import command_parser
 from specforge_dspark.config.recipe import load_recipe
 from specforge_dspark.engines.tap import check_layer_ids, tap_convention
@@ -50,8 +50,6 @@ SGLANG_TAPS = {
     "llama": "models/llama.py, hidden_states[k+1] as Qwen3",
     "inkling": "models/inkling.py, before the deferred MLP short conv (hf: same); the seeds' path",
 }
-MASK_NAMES = re.compile(r"^(<\|?mask\|?>|\[mask\])$", re.I)
-RESERVED_NAMES = re.compile(r"reserved|unused|place.?holder", re.I)
 SEED_ROPE_THETA = 8e6
 
 
@@ -101,79 +99,6 @@ def aux_layer_ids(num_layers: int, full_attention: set[int] | None, count: int =
     # floor(i (n-1) / (m-1) + 1/2) in integers: halves round up (Inkling's 4.5 -> 5)
     spread = [pool[(2 * i * (n - 1) + m - 1) // (2 * (m - 1))] for i in range(m)] if m > 1 else []
     return spread or [pool[(n - 1) // 2]]
-
-
-def _tokenizer_tokens(target: Path) -> tuple[dict[int, str], dict[str, str], int]:
-    """(added/special tokens by id, declared special tokens by role, tokenizer size)."""
-    tok_json, tok_cfg = target / "tokenizer.json", target / "tokenizer_config.json"
-    if not tok_json.is_file() and not tok_cfg.is_file():
-        msg = f"--target: no {tok_json} (nor tokenizer_config.json) to take the mask token from"
-        raise ValueError(msg + "; pass --mask-token-id")
-    data = json.loads(tok_json.read_text()) if tok_json.is_file() else {}
-    v = (data.get("model") or {}).get("vocab") or {}  # BPE: token -> id; Unigram: [piece, score]
-    vocab = v if isinstance(v, dict) else {p[0]: i for i, p in enumerate(v)}
-    tokens = {t["id"]: t["content"] for t in data.get("added_tokens", [])}
-    roles: dict[str, str] = {}
-    for path in (target / "special_tokens_map.json", tok_cfg):
-        cfg = json.loads(path.read_text()) if path.is_file() else {}
-        for i, t in (cfg.get("added_tokens_decoder") or {}).items():
-            tokens[int(i)] = t["content"]
-        for role in ("mask_token", "pad_token", "eos_token", "bos_token", "unk_token"):
-            value = cfg.get(role)
-            value = value.get("content") if isinstance(value, dict) else value
-            if isinstance(value, str):
-                roles[role] = value
-    ids = {**vocab, **{c: i for i, c in tokens.items()}}
-    tokens.update({ids[c]: c for c in roles.values() if c in ids})
-    return tokens, roles, max([*ids.values(), -1]) + 1
-
-
-def no_mask_token(
-    target: Path, free: dict[int, str], looked_for: list[str], logical: int, rows: int
-) -> str:
-    """The refusal when no mask token can be chosen: what was looked for, the special
-    tokens considered (none of them matched), and how to pass one."""
-    shown = ", ".join(f"{c} = {i}" for i, c in list(free.items())[:16])
-    more = f" and {len(free) - 16} more" if len(free) > 16 else ""
-    considered = f"the special tokens {shown}{more}" if free else "no special token at all"
-    return (
-        f"--target: no mask token in {target}/tokenizer.json or tokenizer_config.json: looked "
-        f"for {'; '.join(looked_for)} among {considered} (pad, eos, bos and unk excluded); and "
-        f"no padded LM-head row (the first would be {-(-logical // 64) * 64}, the head has "
-        f"{rows}). Pass --mask-token-id with a token your training data never holds, e.g. one "
-        "of those special tokens"
-    )
-
-
-def choose_mask_token(target: Path, text: dict[str, Any], given: int | None) -> tuple[int, str]:
-    """(mask_token_id, why), the first of: --mask-token-id; the tokenizer's mask_token; an
-    added token named like a mask; the first reserved / unused / placeholder token;
-    `<|fim_pad|>`; the first padded LM-head row (>= `unpadded_vocab_size`, else the
-    tokenizer's size) on a multiple of 64, as Inkling's 200064. Never pad, eos, bos, unk."""
-    rows = text["vocab_size"]
-    if given is not None:
-        if not 0 <= given < rows:
-            raise ValueError(f"--mask-token-id {given} must be in [0, {rows}) (LM-head rows)")
-        return given, f"{given}, from --mask-token-id"
-    tokens, roles, size = _tokenizer_tokens(target)
-    taken = {roles.get(r) for r in ("pad_token", "eos_token", "bos_token", "unk_token")}
-    free = {i: c for i, c in sorted(tokens.items()) if c not in taken and i < rows}
-    tests = [
-        ("the tokenizer's mask_token", lambda c: c == roles.get("mask_token")),
-        ("a mask token of the tokenizer", MASK_NAMES.match),
-        ("the first reserved / unused token", RESERVED_NAMES.search),
-        ("an unused special token", lambda c: c == "<|fim_pad|>"),
-    ]
-    for why, test in tests:
-        hit = next((i for i, c in free.items() if test(c)), None)
-        if hit is not None:
-            return hit, f"{free[hit]} = {hit}, {why}"
-    logical = text.get("unpadded_vocab_size") or min(size, rows)
-    row = -(-logical // 64) * 64
-    if row >= rows:
-        raise ValueError(no_mask_token(target, free, [why for why, _ in tests], logical, rows))
-    why = f"padded LM-head row {row}: no unused token in the tokenizer; the target never emits"
-    return row, why + f" rows >= {logical} (its logical vocabulary)"
 
 
 def draft_section(

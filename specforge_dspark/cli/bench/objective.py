@@ -37,6 +37,11 @@ def draft_fields(kind: str, block_size: int) -> dict:
                 target_layer_ids=[1, 3, 5], num_target_layers=8, block_size=block_size)  # fmt: skip
 
 
+def objective_fields(kind: str, num_anchors: int, chunk: int) -> dict:
+    """The objective section of a configuration: only DSpark has a confidence head to train."""
+    return dict(num_anchors=num_anchors, chunk_size=chunk, bce_weight=float(kind == "dspark"))
+
+
 def recipes(
     workdir: Path,
     kind: str = "dspark",
@@ -51,7 +56,7 @@ def recipes(
     return [
         recipe_from_dict({
             "draft": draft_fields(kind, G),
-            "objective": {"num_anchors": n, "chunk_size": c},
+            "objective": objective_fields(kind, n, c),
             "train": {"output_dir": str(workdir)},
         })
         for G in block_sizes for n in anchors for c in chunks

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from specforge_dspark.cli.bench import bench_parser
+from specforge_dspark.cli.bench.objective import objective_fields
 
 LOGICAL_VOCAB, MASK_TOKEN, PROMPT_LEN, WARMUP_ANCHORS = 200058, 200064, 512, 16
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -73,7 +74,7 @@ def recipes(workdir: Path, shape=None, kind: str = "dspark", block_sizes=(7,), a
     return [
         recipe_from_dict({
             "draft": draft_fields(kind, G, shape),
-            "objective": {"num_anchors": n, "chunk_size": shape["chunk"]},
+            "objective": objective_fields(kind, n, shape["chunk"]),
             "data": {"max_length": shape["seq_len"]},
             "dist": {"precision": shape["dtype"]},
             "train": {"output_dir": str(workdir)},
