@@ -161,9 +161,9 @@ loop-vllm: setup tiny-targets vllm-venv
 	$(PY) scripts/loop.py --nproc $(NPROC) --engine vllm --position-weights '' \
 		--requests 48 --max-new-tokens 32 --guard-prompts 8
 
-# Drift on a quantized target: the tiny target's NVFP4 copy against the original, and the
-# demo's drafter against one trained online from the copy, both decoded on the copy
-# (runs/drift/summary.json); needs `make demo`'s run. About 10 minutes.
+# Drift on a quantized target: drafters trained online from the original (a), from its NVFP4
+# or FP8 copy (b), and from the copy on the copy's own answers (c), 3 seeds each, all decoded
+# on the copy (runs/drift/summary.json; 15 runs of the demo's 1500 steps). About an hour.
 drift: setup tiny-target
 	$(PY) scripts/drift.py --nproc $(NPROC)
 

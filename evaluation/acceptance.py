@@ -22,7 +22,13 @@ from pathlib import Path
 import torch
 
 from evaluation.budget import budget_row, verify_budgets
-from evaluation.metrics import accept_length_ci, pooled_speed, speed_stats, step_stats
+from evaluation.metrics import (
+    accept_length_ci,
+    by_context,
+    pooled_speed,
+    speed_stats,
+    step_stats,
+)
 from evaluation.report import write_report
 from specforge_dspark.config.command_line import command_parser
 from specforge_dspark.decoding.hf_target import CacheMode, HFTarget
@@ -134,6 +140,7 @@ def run_workload(
     spec_s = sum(g.seconds for g in gens)
     stats.update(lossless=None if sampling else True, prompts=len(conversations))
     stats["accept_length_ci"] = accept_length_ci(gens, units)
+    stats["by_context"] = by_context(gens, units)
     stats.update(speed_stats(len(gens), tokens, None if plain_unknown else plain_s, spec_s))
     log(
         f"{workload.name}: {len(gens)} generations, {tokens} tokens, {len(steps)} steps, "
@@ -275,6 +282,7 @@ def evaluate(
 
     overall = step_stats(all_steps, G, logical_vocab)  # pooled over verify steps
     overall["accept_length_ci"] = accept_length_ci(all_gens, all_units)
+    overall["by_context"] = by_context(all_gens, all_units)
     overall["lossless"] = (
         None if temperature > 0 else all(w["lossless"] for w in per_workload.values())
     )

@@ -24,14 +24,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from evaluation.render_drift import render_drift, render_drift_workloads
 from evaluation.render_races import render_incumbent, render_loop
-from evaluation.renderers import (
-    render_bakeoff,
-    render_demo,
-    render_drift,
-    render_quality,
-    render_real,
-)
+from evaluation.renderers import render_bakeoff, render_demo, render_quality, render_real
 from specforge_dspark.config.command_line import command_parser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,6 +55,7 @@ RENDER = {
     "bakeoff": render_bakeoff,
     "quality": render_quality,
     "drift": render_drift,
+    "drift_workloads": render_drift_workloads,
     "loop": render_loop,
     "loop_vllm": lambda res: render_loop(res, "loop_vllm"),
     "loop_real": lambda res: render_loop(res, "loop_real"),
@@ -67,7 +63,9 @@ RENDER = {
     "incumbent_ladder": render_incumbent,
     "incumbent_real": lambda res: render_incumbent(res, "incumbent_real"),
 }
-"""results name -> the renderer of its figures block."""
+"""block name -> the renderer of its figures block (from the results file of the same name,
+or of BLOCK_RESULTS's)."""
+BLOCK_RESULTS = {"drift_workloads": "drift"}
 BLOCK = re.compile(r"(<!-- figures:(\w+) -->\n)(.*?)(<!-- /figures:\2 -->)", re.S)
 
 
@@ -104,11 +102,12 @@ def render(text: str, results: Path = RESULTS, in_docs: bool = False) -> str:
     does not exist yet says which command publishes it."""
 
     def block(m: re.Match) -> str:
-        name = m.group(2)
-        if name not in RENDER:
-            raise ValueError(f"README block figures:{name}: no renderer (known: {sorted(RENDER)})")
+        block_name = m.group(2)
+        if block_name not in RENDER:
+            raise ValueError(f"block figures:{block_name}: no renderer (known: {sorted(RENDER)})")
+        name = BLOCK_RESULTS.get(block_name, block_name)
         if (results / f"{name}.json").is_file():
-            body = RENDER[name](load_results(name, results))
+            body = RENDER[block_name](load_results(name, results))
             picture = PUBLISHED[name][2]
             if picture and (REPO / picture).is_file():
                 body += f"\n![{name}: accept length per workload, 95% intervals]({picture})\n"

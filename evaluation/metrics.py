@@ -15,7 +15,8 @@
   multiplies into a survival probability (ECE, Brier, AUROC: decoding/calibration_metrics.py).
 - verified_tokens: tokens the target verified (bonus + drafts sent, G + 1 per step
   without a verify budget); tokens_per_verified_token = committed / verified.
-Also the bootstrap interval of accept length over prompts (`accept_length_ci`) and the
+Also the bootstrap interval of accept length over prompts (`accept_length_ci`), accept
+length by the context position each verify step drafts from (`by_context`), and the
 wall-clock figures of plain vs speculative decoding (`speed_stats`).
 """
 
@@ -94,6 +95,42 @@ def accept_length_ci(gens: list[Generation], units: list) -> list[float] | None:
         steps[unit] = steps.get(unit, 0) + len(gen.steps)
     keys = [k for k in committed if steps[k]]
     return bootstrap_ci([committed[k] for k in keys], [steps[k] for k in keys])
+
+
+CONTEXT_EDGES = (0, 1024, 2048, 4096, 8192)
+"""Lower edges of the context buckets `by_context` reports (tokens; the last is open)."""
+
+
+def by_context(gens: list[Generation], units: list, edges=CONTEXT_EDGES) -> list[dict]:
+    """Accept length per bucket of context position: a verify step drafts after its
+    generation's prompt and the tokens committed before it, and counts in the bucket
+    [edges[i], edges[i + 1]) holding that position. Each non-empty bucket:
+    {"from", "to" (None: open), "steps", "committed_tokens", "accept_length",
+    "accept_length_ci"} (95% bootstrap over `units`, as accept_length_ci)."""
+    import bisect
+
+    if list(edges) != sorted(set(edges)) or edges[0] != 0:
+        raise ValueError(f"context bucket edges must rise from 0, got {list(edges)}")
+    cells: list[dict] = [{} for _ in edges]  # bucket -> unit -> [committed, steps]
+    for gen, unit in zip(gens, units, strict=True):
+        position = len(gen.prompt_ids)
+        for st in gen.steps:
+            cell = cells[bisect.bisect_right(edges, position) - 1].setdefault(unit, [0, 0])
+            cell[0] += st.committed
+            cell[1] += 1
+            position += st.committed
+    out = []
+    for i, cell in enumerate(cells):
+        if not cell:
+            continue
+        committed, steps = [c for c, _ in cell.values()], [n for _, n in cell.values()]
+        out.append({
+            "from": edges[i], "to": edges[i + 1] if i + 1 < len(edges) else None,
+            "steps": sum(steps), "committed_tokens": sum(committed),
+            "accept_length": sum(committed) / sum(steps),
+            "accept_length_ci": bootstrap_ci(committed, steps),
+        })  # fmt: skip
+    return out
 
 
 def pooled_speed(stats: Iterable[dict]) -> dict:

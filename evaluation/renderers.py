@@ -228,32 +228,3 @@ def render_quality(res: dict) -> str:
         ]  # fmt: skip
         lines.append(f"| {b['steps']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def render_drift(res: dict) -> str:
-    """The quantized target's drift and the two drafters on it, from runs/drift/summary.json."""
-    q = res["quant"]
-    lines = [
-        f"The tiny target against its {q} copy (top-1 agreement, KL per token on the original's "
-        "answers), and accept length on the copy of drafter (a), trained from the original, "
-        f"and (b), trained online from the copy (same data, steps, seed); {res['num_prompts']} "
-        "prompts per workload, 95% intervals, (b) - (a) paired on the same prompts. "
-        + source_line(res, "drift"),
-        f"| workload | top-1 agreement | KL (nats/token) | (a) on {q} | (b) on {q} | (b) - (a) "
-        "| (a) on the original |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    a, b, full = res["on_quant"]["a"], res["on_quant"]["b"], res["a_on_full"]
-
-    def al(x: dict, w: str) -> str:  # a drafter's accept length on workload w, or overall
-        f = x if w == "overall" else x["workloads"][w]
-        return cell(f["accept_length"], f["accept_length_ci"])
-
-    for w in [w for w in [*res["targets"], "overall"] if w in res["b_minus_a_on_quant"]]:
-        t, d = res["targets"].get(w), res["b_minus_a_on_quant"][w]
-        cells = [f"{t['top1_agreement']:.4f}", f"{t['kl_a_b']:.5f}"] if t else ["", ""]
-        diff = f"{d['difference']:+.3f} [{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}]"
-        lines.append(
-            f"| {w} | " + " | ".join([*cells, al(a, w), al(b, w), diff, al(full, w)]) + " |"
-        )
-    return "\n".join(lines) + "\n"

@@ -91,9 +91,23 @@ def write_markdown(summary: dict, path: Path) -> None:
     for name, s in _rows(summary):
         hist = s["accept_length_hist"]
         lines.append(f"| {name} | " + " | ".join(str(hist[str(c)]) for c in range(1, G + 2)) + " |")
+    lines += _context_lines(summary)
     lines += _budget_lines(summary)
     lines += ["", "Plots: " + ", ".join(f"![{p}]({p})" for p in PLOTS), ""]
     path.write_text("\n".join(lines))
+
+
+def _context_lines(summary: dict) -> list[str]:
+    """Accept length by the context position a verify step drafts from (95% intervals)."""
+    lines = ["", "Accept length by context position (tokens before the step):", "",
+             "| workload | context | steps | accept length |", "|---|---|---|---|"]  # fmt: skip
+    for name, s in _rows(summary):
+        for b in s.get("by_context", []):
+            span = f"{b['from']}-{b['to']}" if b["to"] is not None else f"{b['from']}+"
+            ci = b["accept_length_ci"]
+            interval = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
+            lines.append(f"| {name} | {span} | {b['steps']} | {b['accept_length']:.3f}{interval} |")
+    return lines
 
 
 def _decoding(summary: dict) -> str:

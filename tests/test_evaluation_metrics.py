@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from evaluation.metrics import calibration_pairs, step_stats
+from evaluation.metrics import by_context, calibration_pairs, step_stats
 from specforge_dspark.decoding.calibration_metrics import auroc, ece
 from specforge_dspark.decoding.prompts import load_conversations, parse_workload
-from specforge_dspark.decoding.spec_decode import Step, cut_new_tokens
+from specforge_dspark.decoding.spec_decode import Generation, Step, cut_new_tokens
 
 
 def _naive_auroc(conf, label):
@@ -63,6 +63,30 @@ def test_step_stats_exact():
     assert conf == [0.9, 0.8, 0.7, 0.6, 0.5, 0.3, 0.9, 0.9, 0.9]
     assert label == [1, 1, 1, 1, 0, 0, 1, 1, 0]
     assert s["calibration"]["pairs"] == 9
+
+
+def test_context_buckets_by_hand():
+    """A step counts at the position it drafts from: the prompt plus what was committed."""
+
+    def gen(prompt_len: int, committed: list[int]) -> Generation:
+        steps = [Step(accepted=c - 1, committed=c, confidence=[]) for c in committed]
+        return Generation(prompt_ids=[0] * prompt_len, tokens=[0] * sum(committed), steps=steps)
+
+    # prompt 7 tokens; steps start at 7, 10, 11 | 13, 17 (edges 0, 12, 16)
+    a = gen(7, [3, 1, 2, 4, 1])
+    b = gen(20, [2, 2])  # both steps at >= 16
+    c = gen(14, [5])  # one step at 14: bucket 12-16
+    buckets = by_context([a, b, c], ["a", "b", "c"], edges=(0, 12, 16))
+    assert [(x["from"], x["to"], x["steps"], x["committed_tokens"]) for x in buckets] == [
+        (0, 12, 3, 6),
+        (12, 16, 2, 9),  # a's step at 13 (4 tokens) and c's at 14 (5)
+        (16, None, 3, 5),  # a's step at 17 (1) and b's two (2 + 2)
+    ]
+    assert buckets[1]["accept_length"] == 4.5
+    assert buckets[0]["accept_length_ci"] == [2.0, 2.0]  # one unit: no spread
+    assert by_context([c], ["c"], edges=(0, 12, 16, 64))[0]["to"] == 16  # empty ones left out
+    with pytest.raises(ValueError, match="rise from 0"):
+        by_context([a], ["a"], edges=(12, 16))
 
 
 def test_cut_at_eos_and_budget():

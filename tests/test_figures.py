@@ -164,26 +164,42 @@ def test_the_bakeoff_pairs_drafters_on_the_same_prompts(tmp_path):
     assert ("dspark", "n-gram") not in rows
 
 
-def test_the_drift_table_renders_each_workload_and_the_overall_pair():
-    def brief(al):
-        cell = {"accept_length": al, "accept_length_ci": [al - 0.2, al + 0.2]}
-        return {"workloads": {"gsm8k": cell}, **cell}  # the one workload is the overall too
+def test_the_drift_tables_pool_seeds_and_pair_each_side():
+    def al(x):
+        return {"accept_length": x, "accept_length_ci": [x - 0.2, x + 0.2]}
 
+    def diff(d):
+        return {"difference": d, "ci": [d - 0.1, d + 0.1]}
+
+    ws = ("gsm8k", "mt_bench")
+    fmt = {
+        "targets": {"gsm8k": {"top1_agreement": 0.9, "kl_a_b": 0.002, "tokens": 100},
+                    "mt_bench": {"top1_agreement": 0.8, "kl_a_b": 0.006, "tokens": 300}},
+        "sides": {s: {w: al(x) for w in (*ws, "overall")}
+                  for s, x in (("a", 3.0), ("b", 3.05), ("c", 3.5))},
+        "paired": {p: {"pooled": {w: diff(d) for w in (*ws, "overall")},
+                       "by_seed": {"0": diff(d), "1": diff(-d), "2": diff(0.0)}}
+                   for p, d in (("b_minus_a", 0.05), ("c_minus_a", 0.5), ("c_minus_b", 0.45))},
+    }  # fmt: skip
     res = {
-        "quant": "nvfp4", "num_prompts": 10,
-        "targets": {"gsm8k": {"top1_agreement": 0.95831, "kl_a_b": 0.003941, "tokens": 90}},
-        "on_quant": {"a": brief(3.1), "b": brief(3.4)}, "a_on_full": brief(3.5),
-        "b_minus_a_on_quant": {"gsm8k": {"difference": 0.3, "ci": [0.1, 0.5]},
-                               "overall": {"difference": 0.3, "ci": [0.1, 0.5]}},
-        "provenance": {"date": "2026-12-04", "commit": "abc1234", "machine": "2-core CPU",
+        "formats": {"nvfp4": fmt}, "seeds": [0, 1, 2], "steps": 800, "num_prompts": 10,
+        "a_on_original": {"overall": al(3.6)},
+        "provenance": {"date": "2026-12-06", "commit": "abc1234", "machine": "2-core CPU",
                        "command": "python scripts/drift.py --nproc 2"},
     }  # fmt: skip
-    row = next(x for x in figures.render_drift(res).splitlines() if x.startswith("| gsm8k"))
-    assert row == ("| gsm8k | 0.9583 | 0.00394 | 3.100 [2.90, 3.30] | 3.400 [3.20, 3.60] "
-                   "| +0.300 [+0.10, +0.50] | 3.500 [3.30, 3.70] |")  # fmt: skip
-    overall = figures.render_drift(res).splitlines()[-1]
-    assert overall == ("| overall |  |  | 3.100 [2.90, 3.30] | 3.400 [3.20, 3.60] "
-                       "| +0.300 [+0.10, +0.50] | 3.500 [3.30, 3.70] |")  # fmt: skip
+    lines = figures.render_drift(res).splitlines()
+    # top-1 and KL weighted by tokens: (0.9 * 100 + 0.8 * 300) / 400, (0.2 + 1.8) / 400
+    assert lines[4] == ("| nvfp4 | 0.8250 | 0.00500 | 3.000 [2.80, 3.20] | 3.050 [2.85, 3.25] "
+                        "| 3.500 [3.30, 3.70] | +0.050 [-0.05, +0.15] | **+0.500 [+0.40, +0.60]** "
+                        "| **+0.450 [+0.35, +0.55]** |")  # fmt: skip
+    assert "(a) on the original itself: 3.600 [3.40, 3.80]" in lines[0]
+    seed_rows = [x for x in lines if x.startswith("| nvfp4 | (")]
+    assert seed_rows[1] == ("| nvfp4 | (c) - (a) | **+0.500 [+0.40, +0.60]** "
+                            "| **-0.500 [-0.60, -0.40]** | +0.000 [-0.10, +0.10] "
+                            "| **+0.500 [+0.40, +0.60]** |")  # fmt: skip
+    rows = [x for x in figures.render_drift_workloads(res).splitlines() if x.startswith("| nv")]
+    assert [r.split(" | ")[1] for r in rows] == list(ws)
+    assert rows[1].split(" | ")[2:4] == ["0.8000", "0.00600"]
 
 
 def test_the_loop_block_shows_each_drafter_paired_against_the_base(tmp_path):

@@ -235,7 +235,14 @@ def test_gpus_size_the_run_and_unverified_taps_stay_on_hf(tmp_path):
     assert raw["target"]["backend"] == "hf" and raw["target"]["device"] == "cuda"
     text = _comments(out)
     assert "not verified" in text and "the hf backend is the known path" in text
-    assert "rope type yarn, not copied" in text and "<|reserved_200000|> = 200000" in text
+    assert "rope type yarn, its scaling copied" in text and "<|reserved_200000|> = 200000" in text
+    assert raw["draft"]["rope_scaling"] == {
+        "rope_type": "yarn",
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+    }
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dflash2"])

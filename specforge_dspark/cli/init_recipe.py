@@ -20,8 +20,9 @@ The YAML is loaded back with `load_recipe` before it replaces `--out` (it passes
   comes from a speculators config of a target whose depth and attention pattern are not
   published (recipes/inkling_small_nvfp4.yaml); no rule over a config reproduces it.
 - vocab_size = LM-head rows (padded); the mask token: `choose_mask_token`. RoPE theta: the
-  target's, else the Inkling seeds' 8e6 (Inkling has no RoPE); the draft serves plain
-  RoPE, so a rope scaling is named, not copied.
+  target's, else the Inkling seeds' 8e6 (Inkling has no RoPE); its RoPE scaling copied
+  (`draft.rope_scaling`) where the draft reproduces it (linear, llama3, yarn), named and
+  left out otherwise.
 - `--gpus N` (default: visible CUDA devices): N > 0 sizes one N-GPU node like the seeds
   (bf16, nccl, ZeRO-2, SGLang at TP N where its tap is known, 8 sequences per step);
   N = 0 keeps the tiny CPU recipes' settings (fp32, gloo, hf backend, embedded GSM8K data).
@@ -41,6 +42,7 @@ import yaml
 from specforge_dspark.cli.mask_token import choose_mask_token
 from specforge_dspark.config.command_line import command_parser
 from specforge_dspark.config.recipe import load_recipe
+from specforge_dspark.config.rope import rope_scaling_problems, rope_type, scaling_from_parameters
 from specforge_dspark.engines.tap import check_layer_ids, tap_convention
 
 # model_type -> what SGLang 0.5.23 does with aux layer k (paths under sglang/srt/)
@@ -113,7 +115,8 @@ def draft_section(
         kv, head_dim = text.get("num_key_value_heads") or heads, text.get("head_dim") or H // heads
     dense = None if ffn_is_experts(text) else text.get("intermediate_size")
     ffn = text.get("dense_intermediate_size") or dense
-    rope, layers = text.get("rope_parameters") or {}, min(5, max(1, L // 2))
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    layers = min(5, max(1, L // 2))
     theta = float(rope.get("rope_theta") or text.get("rope_theta") or SEED_ROPE_THETA)
     draft: dict[str, Any] = {
         "kind": kind, "hidden_size": H, "num_hidden_layers": layers,
@@ -125,6 +128,8 @@ def draft_section(
         "target_layer_ids": aux_layer_ids(L, full_attention_layers(text, fam), aux_count),
         "num_target_layers": L, "mask_token_id": mask,
     }  # fmt: skip
+    if rope_type(rope) != "default" and not rope_scaling_problems(rope, "rope"):
+        draft["rope_scaling"] = scaling_from_parameters(rope)
     if kind == "dspark":
         draft.update(markov_rank=min(256, H // 4), markov_head_type="vanilla",
                      enable_confidence_head=True, confidence_head_with_markov=True,
@@ -242,7 +247,6 @@ def _notes(
     """Comments placed above recipe keys: where each derived value comes from."""
     get = lambda k: text.get(k, root.get(k))  # noqa: E731
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type") or rope.get("type") or "default"
     logical, mult = get("unpadded_vocab_size"), get("logits_mup_width_multiplier")
     full, ids = full_attention_layers(text, fam), draft["target_layer_ids"]
     pool = aux_pool(draft["num_target_layers"], full, len(ids))
@@ -258,8 +262,9 @@ def _notes(
         if ffn_is_experts(text) and not get("dense_intermediate_size")
         else "the target's dense FFN size (the draft is dense)",
         "draft.rope_theta": ("the target's" if "rope_theta" in {**text, **rope} else
-        "no RoPE in the target: the seeds'") + f" rope theta; rope type {rope_type}"
-        + (", not copied: the draft serves plain RoPE" if rope_type != "default" else ""),
+        "no RoPE in the target: the seeds'") + f" rope theta; rope type {rope_type(rope)}"
+        + ("" if rope_type(rope) == "default" else ", its scaling copied to draft.rope_scaling"
+           if "rope_scaling" in draft else ", not copied: the draft cannot reproduce it"),
         "draft.vocab_size": "LM-head rows ("
         + ("tied to the embedding" if get("tie_word_embeddings") else "untied head")
         + (f"; logical vocabulary {logical}, unpadded_vocab_size" if logical else "")

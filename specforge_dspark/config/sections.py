@@ -62,10 +62,9 @@ class TargetRecipe:
     by Mooncake's Transfer Engine (the server anywhere: transport/mooncake.py; sglang only)."""
     mooncake: MooncakeTransport = field(default_factory=MooncakeTransport)
     transport_dtype: Literal["auto", "fp8_e4m3"] = "auto"
-    """auto: features cross in target.dtype; fp8_e4m3: the server quantizes each aux row
-    to float8_e4m3 with a float32 scale per (row, aux layer), the last hidden rows cross
-    in bfloat16 (0.58x of bf16's bytes at 5 aux layers), and the trainer dequantizes the
-    aux rows into target.dtype on its device (sglang only: docs/production.md)."""
+    """auto: features cross in target.dtype; fp8_e4m3: aux rows cross as float8_e4m3 with a
+    float32 scale per (row, aux layer), the last hidden in bfloat16 (0.58x of bf16's bytes
+    at 5 aux layers), dequantized by the trainer (sglang only: docs/production.md)."""
     sglang: SGLangServer = field(default_factory=SGLangServer)
     vllm: VLLMServer = field(default_factory=VLLMServer)
 
@@ -88,6 +87,8 @@ class DraftRecipe:
     hidden_act: Literal["silu"] = "silu"
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    """The target's RoPE scaling: its rope_parameters less rope_theta (config/rope.py)."""
     max_position_embeddings: int = 32768
     vocab_size: int = 1024
     """Rows of the target LM head (padded vocabulary)."""

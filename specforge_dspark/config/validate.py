@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 from urllib.parse import urlsplit
 
+from specforge_dspark.config.rope import rope_scaling_problems
 from specforge_dspark.config.sections import Recipe
 
 
@@ -54,6 +55,8 @@ def validate(r: Recipe) -> list[str]:
         f"draft.layer_types has {len(d.layer_types)} entries, draft.num_hidden_layers is "
         f"{d.num_hidden_layers}",
     )
+    for problem in rope_scaling_problems(d.rope_scaling, "draft.rope_scaling"):
+        need(False, problem)
     sliding = "sliding_attention" in d.layer_types
     if d.kind == "dspark":
         need(

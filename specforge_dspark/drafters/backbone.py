@@ -10,7 +10,7 @@ K = S + Q keys, H hidden, D = m*H aux features).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -50,6 +50,8 @@ class DecoderFields:
     hidden_act: str = "silu"
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: dict = field(default_factory=dict)
+    """The target's RoPE scaling (drafters/rope.py); written into rope_parameters."""
     max_position_embeddings: int = 32768
     vocab_size: int
     """Rows of the target LM head (padded vocabulary)."""

@@ -4,9 +4,10 @@ decoder fields their config dataclasses share: checked once, read and written on
 
 The shared fields (and their config.json names) are those of SGLang's Qwen3-style draft
 decoder: hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
-head_dim, intermediate_size, hidden_act, rms_norm_eps, rope_theta,
-max_position_embeddings, vocab_size, block_size, target_layer_ids, num_target_layers,
-mask_token_id, layer_types; each kind adds its own and its own checks.
+head_dim, intermediate_size, hidden_act, rms_norm_eps, rope_theta and rope_scaling (both
+written as `rope_parameters`), max_position_embeddings, vocab_size, block_size,
+target_layer_ids, num_target_layers, mask_token_id, layer_types; each kind adds its own
+and its own checks.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from specforge_dspark.config.rope import (
+    rope_parameters,
+    rope_scaling_problems,
+    scaling_from_parameters,
+)
 
 DECODER_SIZES = (
     "hidden_size",
@@ -127,10 +134,12 @@ def read_decoder_fields(
     """The shared decoder fields of a config.json `d` (read with `config_reader`'s `get`),
     with SGLang's defaults: num_key_value_heads = num_attention_heads, head_dim =
     hidden_size / num_attention_heads, rope_theta from `rope_parameters` then `rope_theta`
-    then 10000, num_target_layers = max(target_layer_ids) + 1, `block_size` given.
+    then 10000, rope_scaling the rest of `rope_parameters`, num_target_layers =
+    max(target_layer_ids) + 1, `block_size` given.
 
     A setting in `supported` (key -> the values `owner` implements; absent or null is
-    always fine) with another value, a RoPE other than the default, or the Domino
+    always fine) with another value, a RoPE scaling the draft does not reproduce
+    (config/rope.py), or the Domino
     projector raises ValueError. SGLang reads every other `projector_type` (SpecForge's
     exports write "dspark") as the plain fc projector, and so do we.
     """
@@ -145,9 +154,9 @@ def read_decoder_fields(
         if value is not None and value not in allowed:
             raise ValueError(f"config.json: {key}={value!r} is not supported by {owner}")
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"config.json: rope_type={rope_type!r} is not supported")
+    problems = rope_scaling_problems(rope, "config.json rope_parameters")
+    if problems:
+        raise ValueError("; ".join(problems))
     heads, hidden = int(get("num_attention_heads")), int(get("hidden_size"))
     layer_ids = [int(i) for i in get("target_layer_ids")]
     return {
@@ -160,6 +169,7 @@ def read_decoder_fields(
         "hidden_act": str(get("hidden_act", "silu")),
         "rms_norm_eps": float(get("rms_norm_eps", 1e-6)),
         "rope_theta": float(rope.get("rope_theta") or get("rope_theta", 10000.0)),
+        "rope_scaling": scaling_from_parameters(rope),
         "max_position_embeddings": int(get("max_position_embeddings", 32768)),
         "vocab_size": int(get("vocab_size")),
         "block_size": int(get("block_size", block_size)),
@@ -192,14 +202,14 @@ def sglang_config(
     fields = {
         f.name: config_value(getattr(cfg, f.name))
         for f in dataclasses.fields(cfg)
-        if f.name not in draft_keys and f.name not in omit
+        if f.name not in draft_keys and f.name not in omit and f.name != "rope_scaling"
     }
     return {
         "architectures": [architecture],
         "model_type": "qwen3",
         **fields,
         **(after_fields or {}),
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": rope_parameters(cfg.rope_theta, cfg.rope_scaling),
         "attention_bias": False,
         "tie_word_embeddings": False,
         **(settings or {}),

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specforge_dspark.drafters.rope import rope_tables
+
 
 class DecoderConfig(Protocol):
     """What the decoder layers read from a drafter's config."""
@@ -33,6 +35,7 @@ class DecoderConfig(Protocol):
     intermediate_size: int
     rms_norm_eps: float
     rope_theta: float
+    rope_scaling: dict
     layer_types: list[str]
 
 
@@ -59,17 +62,6 @@ class RMSNorm(nn.Module):
         xw = x.to(wide)
         xw = xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xw * self.weight.to(wide)).to(x.dtype)
-
-
-def rope_tables(
-    pos_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin `[B, T, E/2]` at absolute positions, as SGLang's fp32 cos_sin_cache rows
-    (fp64 when the model runs in fp64)."""
-    wide = torch.promote_types(dtype, torch.float32)
-    exponent = torch.arange(0, head_dim, 2, device=pos_BT.device, dtype=wide) / head_dim
-    angle_BTe = pos_BT.to(wide)[..., None] * (1.0 / theta**exponent)
-    return angle_BTe.cos(), angle_BTe.sin()
 
 
 def apply_rope(x_BTnE: torch.Tensor, cos_BTe: torch.Tensor, sin_BTe: torch.Tensor) -> torch.Tensor:
@@ -206,7 +198,7 @@ def context_kv(drafter: Decoder, ctx_BSH: torch.Tensor, ctx_pos_BS: torch.Tensor
     RoPE at `ctx_pos_BS`. Differentiable: gradients reach k_proj, v_proj, k_norm and,
     through ctx_BSH, the context features' fc and hidden_norm."""
     cfg, dtype = drafter.config, drafter.norm.weight.dtype
-    rope_ctx = rope_tables(ctx_pos_BS, cfg.head_dim, cfg.rope_theta, dtype)
+    rope_ctx = rope_tables(ctx_pos_BS, cfg.head_dim, cfg.rope_theta, dtype, cfg.rope_scaling)
     ctx_BSH = ctx_BSH.to(dtype)
     return [layer.self_attn.keys_values(ctx_BSH, rope_ctx) for layer in drafter.layers]
 
@@ -233,7 +225,9 @@ def decode_blocks(
     S, Q = kv_ctx[0][0].shape[2], N * G
     cfg, norm = drafter.config, drafter.norm
     dtype = norm.weight.dtype
-    rope_blk = rope_tables(block_pos_BNG.reshape(B, Q), cfg.head_dim, cfg.rope_theta, dtype)
+    rope_blk = rope_tables(
+        block_pos_BNG.reshape(B, Q), cfg.head_dim, cfg.rope_theta, dtype, cfg.rope_scaling
+    )
     args = {}
     for kind, visible_BQK in masks.items():
         if visible_BQK.shape != (B, Q, S + Q):

@@ -61,6 +61,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from specforge_dspark.config.rope import rope_parameters
 from specforge_dspark.drafters.conventions import CONVENTIONS_KEY
 from specforge_dspark.drafters.dspark import DSparkConfig, DSparkDraft
 from specforge_dspark.export import ExportError, publish
@@ -251,7 +252,7 @@ def _qwen3_layer_config(cfg: DSparkConfig) -> dict[str, Any]:
         "hidden_act": cfg.hidden_act,
         "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": rope_parameters(cfg.rope_theta, cfg.rope_scaling),
         "attention_bias": False,
         "layer_types": list(cfg.layer_types),
         "tie_word_embeddings": False,
