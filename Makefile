@@ -44,7 +44,7 @@ export VLLM_NO_USAGE_STATS := 1
 export PYTHONUNBUFFERED := 1
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: real real-target setup deepspeed-ops mooncake-libs vllm-venv sglang-venv specforge-venv demo quality bakeoff loop loop-vllm drift incumbent test test-quick lint format bench tiny-target tiny-targets clean clean-runs
+.PHONY: readme-commands real real-target setup deepspeed-ops mooncake-libs vllm-venv sglang-venv specforge-venv demo quality bakeoff loop loop-vllm drift incumbent test test-quick lint format bench tiny-target tiny-targets clean clean-runs
 
 setup: $(STAMP)
 
@@ -220,6 +220,11 @@ format: setup
 
 bench: setup sglang-venv tiny-targets mooncake-libs
 	$(PY) -m specforge_dspark.cli.bench all
+
+# Every command the README names, once with its defaults (bench all included), each timed:
+# runs/readme_commands/summary.json.
+readme-commands: setup sglang-venv tiny-targets mooncake-libs
+	$(PY) scripts/readme_commands.py
 
 # Caches only: runs/ holds your trained drafters and checkpoints (`make clean-runs`).
 clean:

