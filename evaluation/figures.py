@@ -26,7 +26,13 @@ from pathlib import Path
 
 from evaluation.render_drift import render_drift, render_drift_workloads
 from evaluation.render_races import render_incumbent, render_loop
-from evaluation.renderers import render_bakeoff, render_demo, render_quality, render_real
+from evaluation.renderers import (
+    render_bakeoff,
+    render_demo,
+    render_quality,
+    render_real,
+    render_real_brief,
+)
 from specforge_dspark.config.command_line import command_parser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,6 +58,7 @@ PUBLISHED = {
 RENDER = {
     "demo": render_demo,
     "real": render_real,
+    "real_brief": render_real_brief,
     "bakeoff": render_bakeoff,
     "quality": render_quality,
     "drift": render_drift,
@@ -65,7 +72,7 @@ RENDER = {
 }
 """block name -> the renderer of its figures block (from the results file of the same name,
 or of BLOCK_RESULTS's)."""
-BLOCK_RESULTS = {"drift_workloads": "drift"}
+BLOCK_RESULTS = {"drift_workloads": "drift", "real_brief": "real"}
 BLOCK = re.compile(r"(<!-- figures:(\w+) -->\n)(.*?)(<!-- /figures:\2 -->)", re.S)
 
 
@@ -108,7 +115,7 @@ def render(text: str, results: Path = RESULTS, in_docs: bool = False) -> str:
         name = BLOCK_RESULTS.get(block_name, block_name)
         if (results / f"{name}.json").is_file():
             body = RENDER[block_name](load_results(name, results))
-            picture = PUBLISHED[name][2]
+            picture = PUBLISHED[name][2] if block_name == name else ""  # the full block's
             if picture and (REPO / picture).is_file():
                 body += f"\n![{name}: accept length per workload, 95% intervals]({picture})\n"
         else:

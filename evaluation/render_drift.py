@@ -1,8 +1,8 @@
 """The drift blocks (`make drift`, docs/results/drift.json): training online from a quantized
 copy of the target, three sides with several seeds each, decoded on the copy.
 
-`render_drift` is the overall table per format and the paired differences seed by seed
-(the README's block); `render_drift_workloads` the same per workload (docs/engines.md)."""
+`render_drift` is the overall table, one row per format (the README's block);
+`render_drift_workloads` each pair seed by seed and everything per workload (docs/engines.md)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def _intro(res: dict) -> str:
 
 
 def render_drift(res: dict) -> str:
-    """Overall per format, then each pair's overall difference seed by seed."""
+    """Overall, one row per format (the README's block)."""
     workloads = [w for w in next(iter(res["formats"].values()))["sides"]["a"] if w != "overall"]
     lines = [
         _intro(res),
@@ -59,12 +59,18 @@ def render_drift(res: dict) -> str:
     ]
     for name, fmt in res["formats"].items():
         top1, kl = _agreement(fmt["targets"], workloads)
-        lines.append(
-            f"| {name} | {top1:.4f} | {kl:.5f} | " + " | ".join(_cells(fmt, "overall")) + " |"
-        )
+        cells = [f"{top1:.4f}", f"{kl:.5f}", *_cells(fmt, "overall")]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def render_drift_workloads(res: dict) -> str:
+    """Each pair's overall difference seed by seed, then every side and pair per workload."""
     seeds = [str(s) for s in res["seeds"]]
-    lines += [
-        "",
+    lines = [
+        "Seed by seed (overall, each seed's three sides paired on the same prompts) and per "
+        "workload (pooled over seeds), from the runs of the README's table; "
+        + source_line(res, "drift"),
         "| format | pair, overall | " + " | ".join(f"seed {s}" for s in seeds) + " | pooled |",
         "|---|---|" + "---|" * (len(seeds) + 1),
     ]
@@ -75,17 +81,11 @@ def render_drift(res: dict) -> str:
             label = p.replace("_minus_", ") - (")
             lines.append(f"| {name} | ({label}) | " + " | ".join(
                 [*by_seed, signed(pair["pooled"]["overall"])]) + " |")  # fmt: skip
-    return "\n".join(lines) + "\n"
-
-
-def render_drift_workloads(res: dict) -> str:
-    """Per format and workload: the targets' agreement, the three sides and their pairs."""
-    lines = [
-        "Per workload (the same runs as the overall table; " + source_line(res, "drift").rstrip()
-        + ")",
+    lines += [
+        "",
         "| format | workload | top-1 agreement | KL (nats/token) " + HEAD,
         "|---|---|---|---|---|---|---|---|---|---|",
-    ]  # fmt: skip
+    ]
     for name, fmt in res["formats"].items():
         for w, t in fmt["targets"].items():
             agree = [f"{t['top1_agreement']:.4f}", f"{t['kl_a_b']:.5f}"]

@@ -83,18 +83,32 @@ def render_demo(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_real(res: dict) -> str:
-    """`make real` (runs/real/summary.json): the drafters table on the real target, the
-    paired differences, what SGLang DSPARK served beside our harness, and the run's time."""
+def _real_intro(res: dict) -> str:
     t, tr = res["target"], res["training"]
-    intro = (
+    return (
         f"Accept length on SmolLM2-135M-Instruct ({t['package']} {t['version']}: "
         f"{t['weights']}), held-out prompts, {res['num_prompts']} per workload, "
         f"{res['max_new_tokens']} new tokens, 95% bootstrap intervals over prompts; the drafter "
         f"trained {tr['steps']} steps x 2 ranks online from SGLang's CPU engine on the "
         f"target's own answers to {tr['rows']} prompts. " + source_line(res, "real")
     )
-    lines, shows = drafters_table(res, intro)
+
+
+def render_real_brief(res: dict) -> str:
+    """The README's block of `make real`: the drafters table and what it shows."""
+    lines, shows = drafters_table(res, _real_intro(res))
+    judged = res["sglang"].values()
+    agree = "exactly as" if all(s["agree"] for s in judged) else "NOT as"
+    lines += ["", shows + f"SGLang DSPARK decoded {', '.join(res['sglang'])} {agree} our harness "
+              "(the first prompts of each workload); paired differences, time: "
+              "[docs/real.md](docs/real.md#make-real)."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def render_real(res: dict) -> str:
+    """`make real` (runs/real/summary.json): the drafters table on the real target, the
+    paired differences, what SGLang DSPARK served beside our harness, and the run's time."""
+    lines, shows = drafters_table(res, _real_intro(res))
     workloads = list(res["trained"]["workloads"])
     pairs = {(p["a"], p["b"], p["workload"]): p for p in res["paired"]}
     lines += ["", "| paired, same prompts | overall | " + " | ".join(workloads) + " |",

@@ -492,3 +492,32 @@ def test_batched_references_match_and_a_wrong_one_is_redone_one_by_one(
     # only the corrupted entry was redone: the batches equal one-by-one greedy decoding
     assert sum("batched reference differed" in m for m in logs) == 1
     assert summary["workloads"]["mt_bench"]["speedup"] is None  # batched: not timed
+
+
+def test_a_greedy_output_that_differs_raises_or_is_followed_and_counted(
+    tiny_target_dir, tmp_path, shared_data
+):
+    """A timed reference that differs (as a quantized target's near tie, rounded apart in a
+    verify forward, would make it): the lossless check refuses it; with divergence
+    "follow" the evaluation counts it, follows the speculative output and says so."""
+    from evaluation.references import greedy_references
+    from specforge_dspark.decoding.ngram import NgramDrafter
+    from specforge_dspark.decoding.spec_decode import LosslessError
+
+    data = shared_data / "eval"
+    refs = greedy_references(tiny_target_dir, ["gsm8k"], 2, 16, data_dir=data)
+    key = next(iter(refs))
+    refs[key] = ([t + 1 for t in refs[key][0]], 0.5)  # timed: not decoded again
+    kw = dict(num_prompts=2, max_new_tokens=16, data_dir=data)
+    with pytest.raises(LosslessError, match="workload gsm8k prompt 0"):
+        evaluate(tiny_target_dir, NgramDrafter(3), ["gsm8k"], out_dir=tmp_path / "r",
+                 references=dict(refs), **kw)  # fmt: skip
+    logs: list[str] = []
+    summary = evaluate(tiny_target_dir, NgramDrafter(3), ["gsm8k"], out_dir=tmp_path / "f",
+                       references=dict(refs), divergence="follow", log=logs.append,
+                       **kw)  # fmt: skip
+    assert summary["overall"]["diverged"] == 1 and summary["overall"]["lossless"] is False
+    assert sum("differs from plain greedy" in m for m in logs) == 1
+    with pytest.raises(ValueError, match="divergence must be raise or follow"):
+        evaluate(tiny_target_dir, NgramDrafter(3), ["gsm8k"], out_dir=tmp_path / "x",
+                 divergence="ignore", **kw)  # fmt: skip
