@@ -22,14 +22,8 @@ from pathlib import Path
 import torch
 
 from evaluation.budget import budget_row, verify_budgets
-from evaluation.metrics import (
-    accept_length_ci,
-    by_context,
-    pooled_speed,
-    speed_stats,
-    step_stats,
-)
-from evaluation.report import write_report
+from evaluation.metrics import accept_length_ci, by_context, pooled_speed, speed_stats, step_stats
+from evaluation.report import generation_record, write_report
 from specforge_dspark.config.command_line import command_parser
 from specforge_dspark.decoding.hf_target import CacheMode, HFTarget
 from specforge_dspark.decoding.loading import DTYPES, check_pair, head_fns, load_drafter
@@ -77,10 +71,9 @@ def run_workload(
     `references` caches plain greedy outputs (and their seconds) by prompt across calls, so
     several drafters are checked against one decoding; `records` receives one dict per
     generation (the decoded text and its counts, for generations.jsonl). `divergence`
-    "follow" (a target emulating a quantized format: a value at a rounding boundary may
-    round differently in a verify forward than in a one-token forward, and flip a near-tied
-    greedy token) counts greedy outputs that differ instead of raising LosslessError, and
-    follows the speculative one (stats `diverged`); "raise" is the lossless check."""
+    "follow" (for targets emulating a quantized format, where a verify forward may round a
+    near tie apart from a one-token forward) counts outputs that differ from plain greedy
+    (stats `diverged`) and follows them; "raise" is the lossless check."""
     G = int(drafter.config.block_size)
     gens: list[Generation] = []
     units: list[int] = []  # the conversation of each generation (the bootstrap's unit)
@@ -137,7 +130,9 @@ def run_workload(
             gens.append(gen)
             units.append(conv.index)
             if records is not None:
-                records.append(_record(workload.name, conv.index, turn, text, gen, target))
+                records.append(
+                    generation_record(workload.name, conv.index, turn, text, gen, target)
+                )
             messages.append(
                 {
                     "role": "assistant",
@@ -161,21 +156,6 @@ def run_workload(
         + ("" if budget is None else f", {_fmt(stats['tokens_per_verified_token'])} tok/verified")
     )
     return stats, gens
-
-
-def _record(workload: str, index: int, turn: int, prompt: str, gen: Generation, target) -> dict:
-    return {
-        "workload": workload,
-        "index": index,
-        "turn": turn,
-        "prompt": prompt,
-        "output": target.tokenizer.decode(gen.tokens, skip_special_tokens=True),
-        "prompt_tokens": len(gen.prompt_ids),  # where the context starts (by_context)
-        "new_tokens": len(gen.tokens),
-        "verify_steps": len(gen.steps),
-        "committed": sum(st.committed for st in gen.steps),
-        "accepted_per_step": [st.accepted for st in gen.steps],
-    }
 
 
 def _fmt(x: float | None) -> str:

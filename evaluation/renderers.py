@@ -99,7 +99,8 @@ def render_real_brief(res: dict) -> str:
     lines, shows = drafters_table(res, _real_intro(res))
     judged = res["sglang"].values()
     agree = "exactly as" if all(s["agree"] for s in judged) else "NOT as"
-    lines += ["", shows + f"SGLang DSPARK decoded {', '.join(res['sglang'])} {agree} our harness "
+    names = " and ".join(res["sglang"])
+    lines += ["", shows + f"SGLang DSPARK decoded the {names} exports {agree} our harness "
               "(the first prompts of each workload); paired differences, time: "
               "[docs/real.md](docs/real.md#make-real)."]  # fmt: skip
     return "\n".join(lines) + "\n"

@@ -11,6 +11,10 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specforge_dspark.decoding.spec_decode import Generation
 
 PLOTS = ("per_position.png", "calibration.png", "accept_length_hist.png")
 
@@ -296,3 +300,21 @@ def write_learning_curve(budgets: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def generation_record(
+    workload: str, index: int, turn: int, prompt: str, gen: Generation, target
+) -> dict:
+    """One line of generations.jsonl: the decoded text and its verify steps."""
+    return {
+        "workload": workload,
+        "index": index,
+        "turn": turn,
+        "prompt": prompt,
+        "output": target.tokenizer.decode(gen.tokens, skip_special_tokens=True),
+        "prompt_tokens": len(gen.prompt_ids),  # where the context starts (by_context)
+        "new_tokens": len(gen.tokens),
+        "verify_steps": len(gen.steps),
+        "committed": sum(st.committed for st in gen.steps),
+        "accepted_per_step": [st.accepted for st in gen.steps],
+    }
