@@ -147,14 +147,15 @@ EXIT_STOPPED = 143
 
 def dry_run(recipe: Recipe, world: int | None = None, gpus_per_node: int = 8) -> int:
     """Build the draft on the meta device and print what a real run would hold; a served
-    target's launch arguments are checked by the engine itself (launch_check.py)."""
+    target's launch arguments are checked by the engine itself (launch_check.py). Data
+    files that do not exist yet are refused after the summary (exit 2): the sizes print
+    for a recipe whose data is still to be made."""
     from specforge_dspark.config.validate import check_data_files
     from specforge_dspark.engines.pool import check_node_fits
     from specforge_dspark.training.launch_check import check_launch_args
     from specforge_dspark.training.memory import dry_run_summary, implied_world_size
 
     try:
-        check_data_files(recipe)
         check_node_fits(recipe, gpus_per_node)
         checked = check_launch_args(recipe)
     except ValueError as e:
@@ -163,6 +164,11 @@ def dry_run(recipe: Recipe, world: int | None = None, gpus_per_node: int = 8) ->
     world, source = implied_world_size(recipe, world)
     print(f"sizing for {world} rank(s) ({source})")
     print("\n".join([*dry_run_summary(recipe, world), *checked]))
+    try:
+        check_data_files(recipe)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

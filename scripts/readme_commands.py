@@ -29,6 +29,13 @@ HELP = (
 )  # fmt: skip
 
 
+TINY_DATA = (
+    "data.train_files=[../shared/data/train/gsm8k_train.jsonl]",
+    "data.eval_files=[../shared/data/eval/gsm8k_test.jsonl]",
+    "data.format=pairs", "data.prompt_field=question", "data.response_field=answer",
+)  # fmt: skip
+
+
 def commands(out: Path) -> list[tuple[str, list[str]]]:
     py = sys.executable
     recipe = out / "tiny.yaml"
@@ -40,9 +47,10 @@ def commands(out: Path) -> list[tuple[str, list[str]]]:
         ("preflight of that recipe", [
             py, "-m", "specforge_dspark.cli.preflight", "--recipe", str(recipe),
             f"train.output_dir={out / 'run'}"]),
+        # its regenerated data is made on the GPU node: the tiny recipe's GSM8K stands in
         ("dry run of the production recipe on 8 ranks", [
             py, "train.py", "--recipe", "recipes/inkling_nvfp4.yaml", "--dry-run",
-            "--world-size", "8"]),
+            "--world-size", "8", *TINY_DATA]),
         ("figures check", [py, "-m", "evaluation.figures", "check"]),
         ("bench all (each benchmark, defaults)", [py, "-m", "specforge_dspark.cli.bench", "all"]),
     ]  # fmt: skip

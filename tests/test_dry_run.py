@@ -38,6 +38,18 @@ def test_dry_run_names_a_server_arg_the_backend_sets_without_starting_sglang(cap
     assert "target.sglang.server_args.port is set by target.sglang.port" in capsys.readouterr().err
 
 
+def test_a_recipe_whose_data_is_still_to_be_made_is_sized_then_refused(capsys):
+    """The production recipe on a fresh clone: its regenerated data does not exist yet. The
+    dry run still prints the sizes, then refuses naming the key and how to make the file."""
+    prod = str(REPO / "recipes" / "inkling_nvfp4.yaml")
+    assert train.main(["--recipe", prod, "--dry-run", "--world-size", "8", HERE]) == 2
+    out, err = capsys.readouterr()
+    assert "memory per rank (estimate from shapes; 8 rank(s)" in out
+    assert "server_args: SGLang 0.5.23: parsed" in out  # the other checks ran first
+    assert "error: data.train_files[0]: no such file data/inkling_regenerated.jsonl" in err
+    assert "python -m data_pipelines.regenerate --recipe" in err
+
+
 def test_hf_recipes_have_no_server_args_to_check(capsys):
     assert train.main(["--recipe", str(REPO / "recipes" / "tiny_cpu.yaml"), "--dry-run"]) == 0
     assert "server_args" not in capsys.readouterr().out

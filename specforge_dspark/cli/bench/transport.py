@@ -23,6 +23,8 @@ side of bf16 against fp8 rows, same run.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import secrets
 import statistics
 import tempfile
 import time
@@ -33,6 +35,8 @@ from specforge_dspark.cli.bench import bench_parser, tiny_target
 LAYERS = [0, 1, 2]
 TARGET = ".cache/tiny_qwen3"
 SEQ_LEN = 2048
+KEY_ENV = "SFDSPARK_BENCH_API_KEY"
+"""The environment variable holding the API key of the bench's server (made when unset)."""
 
 
 def recipes(workdir: Path, target: str = TARGET, seq_len: int = SEQ_LEN, url: str = "") -> list:
@@ -41,14 +45,14 @@ def recipes(workdir: Path, target: str = TARGET, seq_len: int = SEQ_LEN, url: st
     attaches to it at `url` (default: that server's address) by Mooncake."""
     from specforge_dspark.cli.bench.capture import bench_recipe
 
-    started = bench_recipe(target, str(workdir), seq_len, host="127.0.0.2")
+    keyed = {"api_key_env": KEY_ENV}  # the attaching engine must hold the started one's key
+    started = bench_recipe(target, str(workdir), seq_len, host="127.0.0.2", **keyed)
     url = url or f"http://127.0.0.2:{started.target.sglang.port}"
-    return [started, bench_recipe(target, str(workdir), seq_len, "mooncake", url=url)]
+    return [started, bench_recipe(target, str(workdir), seq_len, "mooncake", url=url, **keyed)]
 
 
 def _writer(location: str, path: str, rows: int, aux_w: int, hidden: int, reps: int, conn):
     """Spawned: time `reps` writes of one request to each location, in turns."""
-    import os
 
     import torch
 
@@ -107,6 +111,7 @@ def _request_seconds(target: str, rows: int, reps: int) -> tuple[float, float]:
 
     ids = torch.randint(10, 1000, (1, rows), generator=torch.Generator().manual_seed(0))
     batch = PaddedBatch([0], ids, torch.ones_like(ids), torch.tensor([rows]))
+    os.environ.setdefault(KEY_ENV, secrets.token_urlsafe(32))
     with tempfile.TemporaryDirectory(prefix="bench-transport-") as out:
         started, _ = recipes(Path(out), target, rows)
         starter = SGLangEngine(started, rank=0, world_size=1, num_slots=1)
