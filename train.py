@@ -176,26 +176,30 @@ def dry_run(recipe: Recipe, world: int | None = None, gpus_per_node: int = 8) ->
 
 
 def anchor_generator(run: Run, micro_step: int) -> torch.Generator:
-    """Anchor sampling RNG of one micro step: a function of (seed, rank, step) alone."""
-    seed = (run.recipe.train.seed * 1_000_003 + run.rank) * 1_000_003 + micro_step
+    """Anchor sampling RNG of one micro step: a function of (seed, data rank, step) alone."""
+    seed = (run.recipe.train.seed * 1_000_003 + run.data_rank) * 1_000_003 + micro_step
     return torch.Generator().manual_seed(seed % (2**63))
 
 
 def objective(run: Run, d: Drafter, feats, generator: torch.Generator):
-    """Drafter d's loss and metrics of one batch of features (its kind's loss, registry.py)."""
+    """Drafter d's loss and metrics of one batch (its kind's loss, registry.py), over this
+    rank's slice of the positions with dist.sequence_parallel."""
     from specforge_dspark.drafters.registry import loss_fn
+    from specforge_dspark.objective.sequence_parallel import shard_features
 
-    f = feats.to(run.device)
+    f, shard, halo = feats.to(run.device), run.shard, d.recipe.draft.block_size - 1
+    aux, last = (f.aux_hidden, f.last_hidden) if shard is None else shard_features(f, shard, halo)
     return loss_fn(d.recipe.draft.kind)(
         d.engine.module,
         run.head,
         f.input_ids,
         f.loss_mask,
-        f.aux_hidden,
-        f.last_hidden,
+        aux,
+        last,
         d.recipe.objective,
         generator,
         position_ids_BS=f.position_ids,
+        shard=shard,
     )
 
 
@@ -259,7 +263,7 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
     with stream:
         wait_for_every_rank()  # every node's server answered (its startup_timeout_s)
         preflight_run(run, stream)  # train.preflight_samples > 0: the engine's features checked
-        data = batches(r, run.dataset, run.eval_set, run.rank, run.world, state, run.plan)
+        data = batches(r, run.dataset, run.eval_set, run.data_rank, run.data_world, state, run.plan)
         for feats in stream.iterate(data):
             if state.step >= run.total_steps:
                 break
@@ -273,7 +277,7 @@ def train(run: Run, stop_at_step: int = 0) -> str | None:
                 d.window.add(train_step(run, d, screened, state.micro_step))
                 d.engine.step()  # at a boundary: the update, or DeepSpeed's skip of it
             state.micro_step += 1
-            advance(state, run.units, run.world, r.train.micro_batch_size)  # the data cursor
+            advance(state, run.units, run.data_world, r.train.micro_batch_size)  # data cursor
             state.tokens += int(feats.loss_mask.sum())
             if not boundary:
                 continue
@@ -332,7 +336,7 @@ def start_tracker(run: Run):
 
     tracker = Tracker(run.recipe, run.rank, run.total_steps, run.state.step, run.dirs["trackio"])
     tracker.write(
-        f"training {run.total_steps} steps on {run.world} rank(s), {len(run.dataset)} rows"
+        f"training {run.total_steps} steps on {run.ranks_said}, {len(run.dataset)} rows"
         f"{'' if run.plan is None else f' in {len(run.plan)} packed sequences'}, "
         f"{run.micro_per_epoch} micro-batches per rank per epoch"
     )

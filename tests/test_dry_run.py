@@ -168,3 +168,21 @@ def test_the_dry_run_sizes_for_the_launch_the_recipe_names(tmp_path, monkeypatch
     out = capsys.readouterr().out
     assert "sizing for 2 rank(s) (the launch in tiny_cpu.yaml's header)" in out
     assert "memory per rank (estimate from shapes; 2 rank(s)" in out
+
+
+def test_sequence_parallel_sizes_128k_on_8_ranks_within_a_b200():
+    """The production recipe at 128K positions: SP 8 on 8 ranks cuts each rank's context
+    rows and anchors by 8 and fits a B200 (180 GB) with room for the co-located server's
+    share; the features still arrive whole (cut on the device), counted whole."""
+    prod = REPO / "recipes" / "inkling_nvfp4.yaml"
+    with torch.device("meta"):
+        n = sum(p.numel() for p in new_draft(load_recipe(prod).draft).parameters())
+    est = {}
+    for sp in (1, 8):
+        r = load_recipe(prod, ["data.max_length=131072", f"dist.sequence_parallel={sp}"])
+        est[sp] = memory.estimate(r, n, 8)
+    kv, feats = "activations: context K/V", "activations: features"
+    assert est[8][kv] == pytest.approx(est[1][kv] / 8, rel=1e-3)
+    assert est[8][feats] == est[1][feats]
+    assert memory.total_bytes(est[8]) < 0.6 * memory.total_bytes(est[1])
+    assert memory.total_bytes(est[8]) < 0.5 * 180e9  # half a B200 left to the server

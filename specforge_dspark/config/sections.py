@@ -237,18 +237,18 @@ class DistRecipe:
     zero_stage: int = 2
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto: bf16 on GPU, fp32 on CPU."""
+    sequence_parallel: int = 1
+    """Ranks per sequence (objective/sequence_parallel.py): each holds a slice of its
+    positions; attention across them is DeepSpeed's Ulysses. Divides ranks and heads."""
     deterministic: bool = False
     """torch's deterministic kernels (warn where none exists): bitwise-repeatable CUDA runs
     and resumes at some speed cost. CPU runs are bitwise repeatable without it."""
     timeout_s: float = 0.0
     """Process-group timeout: a collective waiting longer fails the run. 0 (the default) =
     auto: the longer of 2 h and what a lost SGLang server may keep the peers waiting in a
-    collective mid-run (target.timeout_s + target.max_restarts x
-    (target.sglang.startup_timeout_s + target.timeout_s) + backoff) plus 10 min
-    (config/validate.py `dist_timeout_s`), so that a recipe which raises a target timeout
-    needs no second edit here. A value set here must cover that budget (refused at load,
-    naming the numbers). Start-up waits on the target servers separately (their
-    startup_timeout_s; distributed.py)."""
+    collective mid-run, plus 10 min (config/validate.py `dist_timeout_s`: a recipe raising
+    a target timeout needs no second edit here). A value set here must cover that budget
+    (refused at load). Start-up waits on the servers separately (distributed.py)."""
 
 
 @dataclass

@@ -145,6 +145,13 @@ def validate(r: Recipe) -> list[str]:
         f"dist.zero_stage must be 0, 1 or 2, got {r.dist.zero_stage}: ZeRO-3 partitions "
         "parameters that the Markov head and the fused vocab loss read directly",
     )
+    sp = r.dist.sequence_parallel
+    need(sp >= 1, f"dist.sequence_parallel must be >= 1, got {sp}")
+    need(
+        d.num_attention_heads % max(sp, 1) == 0,
+        f"dist.sequence_parallel={sp} must divide draft.num_attention_heads "
+        f"({d.num_attention_heads}): DeepSpeed's Ulysses gives each rank whole heads",
+    )
     need(r.dist.timeout_s >= 0, f"dist.timeout_s must be >= 0 (0 = auto), got {r.dist.timeout_s}")
     need(r.checkpoint.save_interval >= 1, "checkpoint.save_interval must be >= 1")
     need(r.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1")

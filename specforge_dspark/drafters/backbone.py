@@ -25,6 +25,7 @@ from specforge_dspark.drafters.io import (
     save_layout,
 )
 from specforge_dspark.drafters.layers import (
+    Attend,
     ContextKV,
     DecoderLayer,
     Masks,
@@ -97,10 +98,12 @@ class DraftBackbone(nn.Module):
         block_emb_BNGH: torch.Tensor,
         block_pos_BNG: torch.Tensor,
         masks: Masks,
+        attend: Attend | None = None,
+        ranks: int = 1,
     ) -> torch.Tensor:
         """Final-normed hidden states `[B, N, G, H]` of every block row over the context
-        of `kv_ctx` (`forward`'s other arguments)."""
-        return decode_blocks(self, kv_ctx, block_emb_BNGH, block_pos_BNG, masks)
+        of `kv_ctx` (`forward`'s other arguments; `attend`, `ranks`: `decode_blocks`)."""
+        return decode_blocks(self, kv_ctx, block_emb_BNGH, block_pos_BNG, masks, attend, ranks)
 
     def forward(
         self,

@@ -16,6 +16,7 @@ Shape legend:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -102,9 +103,11 @@ class Attention(nn.Module):
         rope_blk: tuple,
         visible_B1QK: torch.Tensor,
         empty_B1Q1: torch.Tensor,
+        attend: Attend | None = None,
     ) -> torch.Tensor:
         """kv_ctx: this layer's context keys and values `[B, A, S, E]` (`keys_values` of the
-        context, computed once for every chunk of blocks)."""
+        context, computed once for every chunk of blocks); `attend`: `attend_local`, or the
+        sequence-parallel attention over every rank's keys (objective/sequence_parallel.py)."""
         B, Q, _ = x_BQH.shape
         q_BQAE = apply_rope(
             self.q_norm(self.q_proj(x_BQH).view(B, Q, -1, self.head_dim)), *rope_blk
@@ -112,11 +115,28 @@ class Attention(nn.Module):
         k_blk, v_blk = self.keys_values(x_BQH, rope_blk)
         k_BAKE = torch.cat((kv_ctx[0], k_blk), 2)
         v_BAKE = torch.cat((kv_ctx[1], v_blk), 2)
-        o_BAQE = F.scaled_dot_product_attention(
-            q_BQAE.transpose(1, 2), k_BAKE, v_BAKE, attn_mask=visible_B1QK
+        o_BAQE = (attend or attend_local)(
+            q_BQAE.transpose(1, 2), k_BAKE, v_BAKE, visible_B1QK, empty_B1Q1
         )
-        o_BAQE = o_BAQE.masked_fill(empty_B1Q1, 0.0)  # rows that may see nothing attend to 0
         return self.o_proj(o_BAQE.transpose(1, 2).reshape(B, Q, -1))
+
+
+Attend = Callable[..., torch.Tensor]
+"""(q `[B, A, Q, E]`, k and v `[B, A, K, E]`, visible `[B, 1, Q, K]`, empty `[B, 1, Q, 1]`)
+-> attention output `[B, A, Q, E]`."""
+
+
+def attend_local(
+    q_BAQE: torch.Tensor,
+    k_BAKE: torch.Tensor,
+    v_BAKE: torch.Tensor,
+    visible_B1QK: torch.Tensor,
+    empty_B1Q1: torch.Tensor,
+) -> torch.Tensor:
+    """Masked attention of block queries over their keys; a row that may see nothing
+    (`empty`, given key 0 by `decode_blocks`) attends to 0."""
+    o_BAQE = F.scaled_dot_product_attention(q_BAQE, k_BAKE, v_BAKE, attn_mask=visible_B1QK)
+    return o_BAQE.masked_fill(empty_B1Q1, 0.0)
 
 
 class MLP(nn.Module):
@@ -209,6 +229,8 @@ def decode_blocks(
     block_emb_BNGH: torch.Tensor,
     block_pos_BNG: torch.Tensor,
     masks: Masks,
+    attend: Attend | None = None,
+    ranks: int = 1,
 ) -> torch.Tensor:
     """The decoder pass of a drafter over blocks (its `layers`, then its final `norm`):
     final-normed hidden states `[B, N, G, H]` of every block row.
@@ -218,6 +240,9 @@ def decode_blocks(
     keys are the S context positions then the N*G block positions. Layer i attends with
     `masks[drafter.config.layer_types[i]]` (bool `[B, Q, K]`, True = visible; one tensor:
     every layer's). A query with no visible key gets attention output 0.
+    attend, ranks: sequence parallelism over `ranks` ranks (objective/sequence_parallel.py):
+    `attend` sees every rank's queries and keys, so `masks` cover `[B, ranks*Q,
+    ranks*(S+Q)]` in that function's order; None, 1: this rank's alone (`attend_local`).
     """
     if isinstance(masks, torch.Tensor):
         masks = {"full_attention": masks}
@@ -230,16 +255,16 @@ def decode_blocks(
     )
     args = {}
     for kind, visible_BQK in masks.items():
-        if visible_BQK.shape != (B, Q, S + Q):
+        if visible_BQK.shape != (B, ranks * Q, ranks * (S + Q)):
             raise ValueError(
                 f"visible_BQK ({kind}) has shape {tuple(visible_BQK.shape)}, "
-                f"expected {(B, Q, S + Q)}"
+                f"expected {(B, ranks * Q, ranks * (S + Q))}"
             )
         empty_BQ = ~visible_BQK.any(-1)
         # SDPA turns a row with no visible key into NaN: give it key 0, zero its output.
         visible_BQK = visible_BQK.clone()
         visible_BQK[..., 0] |= empty_BQ
-        args[kind] = (rope_blk, visible_BQK[:, None], empty_BQ[:, None, :, None])
+        args[kind] = (rope_blk, visible_BQK[:, None], empty_BQ[:, None, :, None], attend)
     x_BQH = block_emb_BNGH.reshape(B, Q, H).to(dtype)
     for layer, kv, kind in zip(drafter.layers, kv_ctx, cfg.layer_types, strict=True):
         x_BQH = layer(x_BQH, kv, *args[kind])

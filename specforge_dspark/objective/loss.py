@@ -43,6 +43,12 @@ from specforge_dspark.objective.blocks import (
 )
 from specforge_dspark.objective.frozen_head import FrozenHead
 from specforge_dspark.objective.metrics import LossOutput, pooled_metrics
+from specforge_dspark.objective.sequence_parallel import (
+    SeqShard,
+    UlyssesAttend,
+    gathered_masks,
+    split_anchors,
+)
 from specforge_dspark.objective.vocab_loss import STATS, BlockDrafter, FusedVocabLoss, VocabPlan
 
 log = logging.getLogger(__name__)
@@ -60,6 +66,7 @@ def compute_loss(
     group: dist.ProcessGroup | None = None,
     position_ids_BS: Tensor | None = None,
     extra: Callable | None = None,
+    shard: SeqShard | None = None,
 ) -> LossOutput:
     """Sample `obj.num_anchors` anchors per sequence (`generator`: a CPU generator), then
     `compute_loss_at`."""
@@ -77,6 +84,7 @@ def compute_loss(
         group,
         position_ids_BS,
         extra,
+        shard,
     )
 
 
@@ -93,6 +101,7 @@ def compute_loss_at(
     group: dist.ProcessGroup | None = None,
     position_ids_BS: Tensor | None = None,
     extra: Callable | None = None,
+    shard: SeqShard | None = None,
 ) -> LossOutput:
     """Loss and metrics of one micro-step at the given anchors.
 
@@ -123,11 +132,18 @@ def compute_loss_at(
     pooled = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(group) if pooled else 1
     skipped = int((~block_valid_BN.any(dim=1)).sum())
+    if shard is not None and shard.index:  # counted once per sequence group
+        skipped = 0
     if skipped:
         log.warning("%d of %d sequence(s) have no eligible anchor; skipped", skipped, B)
 
-    N = used_columns(block_valid_BN)
-    anchors_BN, block_valid_BN = anchors_BN[:, :N], block_valid_BN[:, :N]
+    if shard is None:
+        N = used_columns(block_valid_BN)
+        anchors_BN, block_valid_BN = anchors_BN[:, :N], block_valid_BN[:, :N]
+    else:  # every rank's anchors (the masks need them), this rank's to decode
+        all_BPn, all_valid_BPn = split_anchors(anchors_BN, block_valid_BN, S, shard.size)
+        anchors_BN, block_valid_BN = all_BPn[:, shard.index], all_valid_BPn[:, shard.index]
+        N = anchors_BN.shape[1]
     bl = build_blocks(
         input_ids_BS, loss_mask_BS, anchors_BN, block_valid_BN, G, cfg.mask_token_id, obj.gamma
     )
@@ -137,6 +153,18 @@ def compute_loss_at(
         ctx_pos_BS = position_ids_BS
         starts_BN = anchors_BN - position_ids_BS.gather(1, anchors_BN)
         pos_BNR = pos_BNR - starts_BN[..., None]
+    ctx_valid_BS = torch.ones_like(loss_mask_BS, dtype=torch.bool)
+    attend, lo_pos = None, 0
+    if shard is not None:  # this rank's context slice; masks over the whole sequence
+        lo_pos, s = shard.span(S)
+        ctx_pos_BS = ctx_pos_BS[:, lo_pos : lo_pos + s]
+        ctx_pos_BS = torch.cat((ctx_pos_BS, ctx_pos_BS.new_zeros(B, s - ctx_pos_BS.shape[1])), 1)
+        ctx_valid_BS = torch.arange(shard.size * s, device=input_ids_BS.device).expand(B, -1) < S
+        all_starts_BPn = None
+        if position_ids_BS is not None:
+            flat_BX = all_BPn.reshape(B, -1)
+            all_starts_BPn = (flat_BX - position_ids_BS.gather(1, flat_BX)).view_as(all_BPn)
+        attend = UlyssesAttend(shard.group)
     X = B * N
     chunk = X if obj.chunk_size <= 0 else min(obj.chunk_size, X)  # blocks per vocab chunk
 
@@ -155,16 +183,21 @@ def compute_loss_at(
     # blocks about `obj.decode_chunk_size` blocks at a time over them, each chunk
     # checkpointed when recomputing (the context K/V are its inputs: not recomputed).
     ctx_BSH = draft.context(aux_hidden_BSD)
-    ctx_valid_BS = torch.ones_like(loss_mask_BS, dtype=torch.bool)
     kv_ctx = draft.context_kv(ctx_BSH, ctx_pos_BS)
     with torch.no_grad():
         emb_BNRH = head.embed(ids_BNR).to(ctx_BSH.dtype)
 
     def decode(lo: int, hi: int, *kv_flat: Tensor) -> Tensor:
-        starts = None if starts_BN is None else starts_BN[:, lo:hi]
-        mask = draft.masks(anchors_BN[:, lo:hi], block_valid_BN[:, lo:hi], ctx_valid_BS, starts)
+        if shard is None:
+            starts = None if starts_BN is None else starts_BN[:, lo:hi]
+            mask = draft.masks(anchors_BN[:, lo:hi], block_valid_BN[:, lo:hi], ctx_valid_BS, starts)
+        else:  # every rank's blocks of these columns, in the gathered order
+            starts = None if all_starts_BPn is None else all_starts_BPn[..., lo:hi]
+            both = (all_BPn[..., lo:hi], all_valid_BPn[..., lo:hi])
+            mask = gathered_masks(draft, *both, ctx_valid_BS, starts, R)
         kv = list(zip(kv_flat[::2], kv_flat[1::2], strict=True))
-        h_BnRH = draft.decode(kv, emb_BNRH[:, lo:hi], pos_BNR[:, lo:hi], mask)
+        ranks = 1 if shard is None else shard.size
+        h_BnRH = draft.decode(kv, emb_BNRH[:, lo:hi], pos_BNR[:, lo:hi], mask, attend, ranks)
         return h_BnRH[:, :, R - G :]  # the drafting rows
 
     need_grads = torch.is_grad_enabled() and ctx_BSH.requires_grad
@@ -178,7 +211,8 @@ def compute_loss_at(
         h_BNGH = torch.cat([decode(lo, hi, *kv_flat) for lo, hi in spans], 1)
 
     with torch.no_grad():
-        idx_BX = bl.teacher_idx_BNG.reshape(B, -1)
+        idx_BX = bl.teacher_idx_BNG.reshape(B, -1) - lo_pos  # into this rank's rows
+        idx_BX = idx_BX.clamp(0, last_hidden_BSH.shape[1] - 1)  # (invalid blocks' slots)
         H = last_hidden_BSH.shape[-1]
         teacher_XGH = last_hidden_BSH.gather(1, idx_BX[..., None].expand(-1, -1, H))
     plan = VocabPlan(

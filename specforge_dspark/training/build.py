@@ -42,10 +42,29 @@ class Run:
     drafters: list = field(default_factory=list)
     """Every drafter trained from the stream (training/drafters.py): [0] is the recipe's
     own (engine, state, recipe, dirs above), then its companions."""
+    shard: object = None
+    """dist.sequence_parallel > 1: this rank's place in its sequence group
+    (objective/sequence_parallel.py SeqShard); None otherwise."""
     stream: object = None
     """This rank's FeatureStream (training/stream.py), started before DeepSpeed builds the
     engine so that the target's start-up overlaps it; `train` waits until it is ready.
     The caller closes it (idempotent) on every exit path."""
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's data shard: the ranks of a sequence group read the same batches."""
+        return self.rank if self.shard is None else self.rank // self.shard.size
+
+    @property
+    def data_world(self) -> int:
+        """Data-parallel ranks: the world size over dist.sequence_parallel."""
+        return self.world // self.recipe.dist.sequence_parallel
+
+    @property
+    def ranks_said(self) -> str:
+        P = self.recipe.dist.sequence_parallel
+        groups = "" if P == 1 else f" ({self.data_world} group(s) of {P} per sequence)"
+        return f"{self.world} rank(s){groups}"
 
     @property
     def units(self) -> int:
@@ -59,7 +78,7 @@ def build(recipe: Recipe, resume: str | None, status=None) -> Run:
     from data_pipelines.prepare import prepare_dataset
     from specforge_dspark.objective.frozen_head import load_frozen_head
     from specforge_dspark.training import checkpoint
-    from specforge_dspark.training.distributed import init_distributed
+    from specforge_dspark.training.distributed import init_distributed, sequence_shard
     from specforge_dspark.training.drafters import (
         Drafter,
         checkpoint_roots,
@@ -76,6 +95,8 @@ def build(recipe: Recipe, resume: str | None, status=None) -> Run:
     from specforge_dspark.training.stream import FeatureStream
 
     rank, world, device = init_distributed(recipe)
+    shard = sequence_shard(recipe, rank, world)  # collective: every group, on every rank
+    data_world = world // recipe.dist.sequence_parallel
     dirs = resolved_dirs(recipe)
     lock = acquire_run_lock(dirs["output"], rank)  # one job per output_dir
     if status is not None:  # the last run's outcome never survives into this one
@@ -112,13 +133,14 @@ def build(recipe: Recipe, resume: str | None, status=None) -> Run:
     eval_set = None
     if recipe.train.eval_interval > 0:
         eval_set = prepare_dataset(recipe, split="eval")
-        if len(eval_set) < world:
+        if len(eval_set) < data_world:
             raise ValueError(
-                f"data.eval_files: {len(eval_set)} prepared rows, fewer than the {world} ranks"
+                f"data.eval_files: {len(eval_set)} prepared rows, fewer than the {data_world} "
+                "data-parallel ranks"
             )
     t = recipe.train
     grad_accum = layout.grad_accum if layout else t.grad_accum
-    micro_per_epoch = units // (world * t.micro_batch_size)
+    micro_per_epoch = units // (data_world * t.micro_batch_size)
     if micro_per_epoch < grad_accum:
         what = "prepared rows" if plan is None else "packed sequences"
         raise ValueError(
@@ -158,6 +180,7 @@ def build(recipe: Recipe, resume: str | None, status=None) -> Run:
         pack_of,
         status,
     )
+    run.shard = shard
     run.stream = FeatureStream(recipe, rank=rank, world_size=world)  # the target starts now
     try:  # ... while DeepSpeed builds the engines and the checkpoints load
         run.engine, run.state = engine_and_state(run, drafts[0][2], resume_path, layout, grad_accum)
@@ -187,8 +210,8 @@ def engine_and_state(run: Run, draft, resume_path, layout, grad_accum: int):
     if resume_path is not None:
         state = checkpoint.load(engine, resume_path, recipe, run.fingerprint)
         state.grad_accum = grad_accum
-        restore_cursor(state, run.units, layout.saved_world, run.world, t.micro_batch_size)
-        left = samples_left(state, run.units, run.world, t.micro_batch_size)
+        restore_cursor(state, run.units, layout.saved_world, run.data_world, t.micro_batch_size)
+        left = samples_left(state, run.units, run.data_world, t.micro_batch_size)
         said = layout.describe(state.epoch, left, run.units, t.grad_accum)
         if rank == 0:
             print(f"resumed from {resume_path} at step {state.step}", flush=True)

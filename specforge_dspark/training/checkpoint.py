@@ -82,6 +82,7 @@ MAY_CHANGE_ON_RESUME = (
     "train.eval_interval",
     "train.output_dir",
     "train.max_nonfinite_steps",
+    "dist.sequence_parallel",  # the same update on any split of a sequence's positions
     "train.preflight_samples",
     "checkpoint.",
     "tracking.",
@@ -181,13 +182,17 @@ def check_compatible(
             f"{FORMAT_VERSION} of this code; it cannot be resumed exactly"
         )
     train = saved["recipe"]["train"]
-    try:
+    saved_sp = saved["recipe"]["dist"].get("sequence_parallel", 1)
+    sp = recipe.dist.sequence_parallel
+    try:  # the data cursor follows the data-parallel ranks; ZeRO's partitions every rank
         layout = resume_layout(
-            saved["world_size"],
+            saved["world_size"] // saved_sp,
             saved.get("grad_accum") or train["grad_accum"],
             train["micro_batch_size"],
-            world_size,
+            world_size // sp,
             recipe.dist.zero_stage,
+            saved["world_size"],
+            world_size,
         )
     except ValueError as e:
         raise ResumeError(f"{path}: {e}") from None
@@ -339,7 +344,7 @@ def load(engine, path: Path, recipe: Recipe, fingerprint: dict[str, Any]) -> Tra
         raise ResumeError(f"{path}: DeepSpeed could not load this checkpoint")
     if layout.changed:
         load_zero_partitions(engine, path)
-    rank_file = path / f"rank{rank % layout.saved_world:05d}_state.pt"
+    rank_file = path / f"rank{rank % layout.saved_ranks:05d}_state.pt"
     if not rank_file.is_file():
         raise ResumeError(f"{path}: missing {rank_file.name}")
     rank_state = safe_load(rank_file)

@@ -50,6 +50,27 @@ def init_distributed(recipe: Recipe) -> tuple[int, int, torch.device]:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
 
 
+def sequence_shard(recipe: Recipe, rank: int, world: int):
+    """Collective when dist.sequence_parallel P > 1: the groups of P consecutive ranks that
+    share each sequence (every rank creates every group), and this rank's place in its own
+    (`objective.sequence_parallel.SeqShard`); None when P is 1. ValueError when P does not
+    divide the world size."""
+    import torch.distributed as dist
+
+    from specforge_dspark.objective.sequence_parallel import SeqShard
+
+    P = recipe.dist.sequence_parallel
+    if world % P:
+        raise ValueError(
+            f"dist.sequence_parallel={P} does not divide the world size {world}: every "
+            f"sequence needs {P} ranks; launch a multiple of {P} ranks"
+        )
+    if P == 1:
+        return None
+    groups = [dist.new_group(list(range(g, g + P))) for g in range(0, world, P)]
+    return SeqShard(groups[rank // P], rank % P, P)
+
+
 _STARTUP_GROUP = None
 """The gloo group of `wait_for_every_rank` (None: one rank, or not initialised)."""
 

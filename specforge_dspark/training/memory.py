@@ -18,6 +18,9 @@ allocator slack, CUDA context and kernel workspaces. Per rank, with W data-paral
   and a bool mask [Cd*G, S + Cd*G] per attention type; ONE chunk when recomputing
   (checkpointed chunks keep only their inputs), EVERY chunk when not; ONE vocab chunk
   (~4 fp32 tensors of C*P*V: draft logits, teacher, softmax, gradient).
+- dist.sequence_parallel sp: a rank holds S/sp context rows and N/sp anchors; Ulysses
+  adds every rank's keys and values for 1/sp of the heads, and the masks span every
+  rank's blocks and keys. The features arrive whole and are cut on the device (train.py).
 
 `objective.recompute: auto` is off when the whole estimate with every decoder chunk kept
 fits in FIT_FRACTION of the memory the trainer has (`available_bytes`), else on
@@ -69,7 +72,9 @@ def estimate(
     H, V, F = d.hidden_size, d.vocab_size, d.intermediate_size
     b_t = 2 if recipe.target.dtype == "bfloat16" else 4
     b_p = compute_bytes(recipe)
-    mb, S, N, G = recipe.train.micro_batch_size, recipe.data.max_length, o.num_anchors, d.block_size
+    mb, S, G = recipe.train.micro_batch_size, recipe.data.max_length, d.block_size
+    sp = recipe.dist.sequence_parallel  # a rank's share of the positions and the anchors
+    N, Sr = math.ceil(o.num_anchors / sp), math.ceil(S / sp)
     P = G if d.kind == "dspark" else G - 1  # the DFlash kinds draft rows 1..G-1
     X, L = mb * N, d.num_hidden_layers
     C = X if o.chunk_size <= 0 else min(o.chunk_size, X)
@@ -78,13 +83,14 @@ def estimate(
     kv, qe = d.num_key_value_heads * d.head_dim, d.num_attention_heads * d.head_dim
     mask_kinds = len(set(d.layer_types)) or 1
     zero = recipe.dist.zero_stage
-    decoder_chunk = L * (
-        rows * (8 * H + 3 * F) + 2 * mb * (S + rows) * qe
-    ) * b_p + mask_kinds * mb * rows * (S + rows)
+    # this rank's keys and values, and with sp > 1 every rank's for 1/sp of the heads
+    keys = (Sr + rows) * (1 if sp == 1 else 2)
+    decoder_chunk = L * (rows * (8 * H + 3 * F) + 2 * mb * keys * qe) * b_p
+    decoder_chunk += mask_kinds * mb * sp * rows * sp * (Sr + rows)  # over every rank's keys
     acts = {
-        "features": mb * S * (len(d.target_layer_ids) + 1) * H * b_t,
-        "context": 2 * mb * S * H * b_p,
-        "context K/V": L * mb * S * (2 * qe + 6 * kv) * b_p,
+        "features": mb * S * (len(d.target_layer_ids) + 1) * H * b_t,  # whole, then cut
+        "context": 2 * mb * Sr * H * b_p,
+        "context K/V": L * mb * Sr * (2 * qe + 6 * kv) * b_p,
         "block hidden + grad": 2 * X * G * H * b_p,
         DECODER[recompute]: kept * decoder_chunk,
         "vocab chunk": 4 * C * P * V * 4,

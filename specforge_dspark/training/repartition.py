@@ -35,15 +35,20 @@ class ResumeLayout:
     """How a checkpoint's global batch is laid out before and after a resume."""
 
     saved_world: int
+    """Data-parallel ranks (ranks / dist.sequence_parallel), saved and now."""
     world: int
     saved_grad_accum: int
     grad_accum: int
     """The train.grad_accum this run steps with: it keeps the saved global batch."""
     micro_batch_size: int
+    saved_ranks: int = 0
+    """Every rank (the ZeRO partitions), saved and now; 0: the data-parallel ranks."""
+    ranks: int = 0
 
     @property
     def changed(self) -> bool:
-        return self.saved_world != self.world
+        """Whether the ZeRO state is re-partitioned."""
+        return (self.saved_ranks or self.saved_world) != (self.ranks or self.world)
 
     def describe(self, epoch: int, left: int, n: int, recipe_grad_accum: int) -> str:
         """What a resume re-partitioned, or why it steps with another train.grad_accum
@@ -59,7 +64,8 @@ class ResumeLayout:
                 f"keeps {batch} of the checkpoint, saved on another world size before"
             )
         return (
-            f"re-partitioned from {self.saved_world} to {self.world} rank(s): the ZeRO "
+            f"re-partitioned from {self.saved_ranks or self.saved_world} to "
+            f"{self.ranks or self.world} rank(s): the ZeRO "
             "optimizer state (fp32 master weights, Adam moments) is re-sharded; "
             f"train.grad_accum {self.saved_grad_accum} -> {self.grad_accum} keeps {batch}; "
             f"epoch {epoch}: {left} of {n} samples left, split over {self.world} rank(s)"
@@ -67,9 +73,16 @@ class ResumeLayout:
 
 
 def resume_layout(
-    saved_world: int, saved_grad_accum: int, mb: int, world: int, zero_stage: int
+    saved_world: int,
+    saved_grad_accum: int,
+    mb: int,
+    world: int,
+    zero_stage: int,
+    saved_ranks: int = 0,
+    ranks: int = 0,
 ) -> ResumeLayout:
-    """The layout of a resume on `world` ranks; ValueError (naming the keys) when no whole
+    """The layout of a resume on `world` data-parallel ranks (of `ranks` in all, when
+    sequence parallelism makes them differ); ValueError (naming the keys) when no whole
     train.grad_accum keeps the global batch or the ZeRO stage cannot be re-partitioned."""
     ranks_x_accum = saved_world * saved_grad_accum
     if world != saved_world and ranks_x_accum % world:
@@ -82,12 +95,14 @@ def resume_layout(
             "changing the global batch, train.micro_batch_size or train.grad_accum changes "
             "the training"
         )
-    if world != saved_world and zero_stage not in (1, 2):
+    before, after = saved_ranks or saved_world, ranks or world
+    if before != after and zero_stage not in (1, 2):
         raise ValueError(
-            f"saved with world_size {saved_world}, resuming with {world}: re-partitioning "
-            f"supports dist.zero_stage 1 and 2, not {zero_stage}; resume on {saved_world} ranks"
+            f"saved on {before} ranks, resuming on {after}: re-partitioning supports "
+            f"dist.zero_stage 1 and 2, not {zero_stage}; resume on {before} ranks"
         )
-    return ResumeLayout(saved_world, world, saved_grad_accum, ranks_x_accum // world, mb)
+    accum = ranks_x_accum // world
+    return ResumeLayout(saved_world, world, saved_grad_accum, accum, mb, saved_ranks, ranks)
 
 
 def shard_files(path: Path) -> list[Path]:

@@ -101,7 +101,7 @@ class EvalPool:
         self.run, self.drafter, self.tracker = run, drafter, drafter.tracker
         self.expected = 0
         if run.recipe.train.eval_interval:
-            self.expected = len(eval_rows(run.eval_set, run.rank, run.world))
+            self.expected = len(eval_rows(run.eval_set, run.data_rank, run.data_world))
         self.batches: list[dict] = []
         self.served_al: dict[int, float] = {}  # step -> served accept length, for the gap
 

@@ -1,4 +1,4 @@
-"""`python -m specforge_dspark.cli.bench objective|step|stream|pack|capture|prepare|all [args]`."""
+"""`python -m specforge_dspark.cli.bench NAME|all [args]`: the names in bench/__init__.py."""
 
 import sys
 
