@@ -44,7 +44,7 @@ export VLLM_NO_USAGE_STATS := 1
 export PYTHONUNBUFFERED := 1
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: readme-commands real real-target setup deepspeed-ops mooncake-libs vllm-venv sglang-venv specforge-venv demo quality bakeoff loop loop-vllm drift incumbent test test-quick lint format bench tiny-target tiny-targets clean clean-runs
+.PHONY: readme-commands long real real-target setup deepspeed-ops mooncake-libs vllm-venv sglang-venv specforge-venv demo quality bakeoff loop loop-vllm drift incumbent test test-quick lint format bench tiny-target tiny-targets clean clean-runs
 
 setup: $(STAMP)
 
@@ -135,6 +135,12 @@ demo: setup tiny-target
 # `python -m evaluation.figures publish real`). About 45 minutes once installed.
 real: setup sglang-venv real-target
 	$(PY) scripts/real.py --nproc $(NPROC)
+
+# Long context on the real target (scripts/long.py): a drafter trained at 2K positions with
+# dist.sequence_parallel 2 against one trained at 512, accept length per context bucket
+# (runs/long/summary.json; publish with `python -m evaluation.figures publish long`).
+long: setup sglang-venv real-target
+	$(PY) scripts/long.py --nproc $(NPROC)
 
 # The learning curve: DSpark at 300, 1000 and 3000 packed steps against the n-gram drafter
 # on the demo's four workloads (runs/quality/summary.json, learning_curve.png/.csv);

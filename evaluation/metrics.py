@@ -107,18 +107,13 @@ def by_context(gens: list[Generation], units: list, edges=CONTEXT_EDGES) -> list
     [edges[i], edges[i + 1]) holding that position. Each non-empty bucket:
     {"from", "to" (None: open), "steps", "committed_tokens", "accept_length",
     "accept_length_ci"} (95% bootstrap over `units`, as accept_length_ci)."""
-    import bisect
-
-    if list(edges) != sorted(set(edges)) or edges[0] != 0:
-        raise ValueError(f"context bucket edges must rise from 0, got {list(edges)}")
-    cells: list[dict] = [{} for _ in edges]  # bucket -> unit -> [committed, steps]
+    cells: list[dict] = [{} for _ in _checked(edges)]  # bucket -> unit -> [committed, steps]
     for gen, unit in zip(gens, units, strict=True):
-        position = len(gen.prompt_ids)
-        for st in gen.steps:
-            cell = cells[bisect.bisect_right(edges, position) - 1].setdefault(unit, [0, 0])
-            cell[0] += st.committed
+        steps = [st.committed for st in gen.steps]
+        for b, committed in bucketed_steps(len(gen.prompt_ids), steps, edges):
+            cell = cells[b].setdefault(unit, [0, 0])
+            cell[0] += committed
             cell[1] += 1
-            position += st.committed
     out = []
     for i, cell in enumerate(cells):
         if not cell:
@@ -131,6 +126,44 @@ def by_context(gens: list[Generation], units: list, edges=CONTEXT_EDGES) -> list
             "accept_length_ci": bootstrap_ci(committed, steps),
         })  # fmt: skip
     return out
+
+
+def _checked(edges) -> list[int]:
+    if list(edges) != sorted(set(edges)) or edges[0] != 0:
+        raise ValueError(f"context bucket edges must rise from 0, got {list(edges)}")
+    return list(edges)
+
+
+def bucketed_steps(start: int, committed_per_step: list[int], edges) -> list[tuple[int, int]]:
+    """(bucket, committed) of each verify step of a generation whose prompt holds `start`
+    tokens: a step drafts from the prompt plus what the steps before it committed."""
+    import bisect
+
+    out, position = [], start
+    for committed in committed_per_step:
+        out.append((bisect.bisect_right(edges, position) - 1, committed))
+        position += committed
+    return out
+
+
+def context_units(eval_dir, edges=CONTEXT_EDGES) -> list[dict]:
+    """Per bucket of `by_context`, (workload, prompt index) -> (committed, steps) from an
+    evaluation's generations.jsonl (a step commits its accepted drafts and one more; the
+    last step of a generation cut by its end is cut as the record's total says): the
+    units a paired comparison of two drafters per bucket resamples."""
+    import json
+    from pathlib import Path
+
+    cells: list[dict] = [{} for _ in _checked(edges)]
+    for line in (Path(eval_dir) / "generations.jsonl").open():
+        g = json.loads(line)
+        steps = [a + 1 for a in g["accepted_per_step"]]
+        if steps:
+            steps[-1] -= sum(steps) - g["committed"]
+        for b, committed in bucketed_steps(g["prompt_tokens"], steps, edges):
+            c, n = cells[b].get((g["workload"], g["index"]), (0, 0))
+            cells[b][(g["workload"], g["index"])] = (c + committed, n + 1)
+    return cells
 
 
 def pooled_speed(stats: Iterable[dict]) -> dict:
