@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from evaluation.render_drift import render_drift, render_drift_workloads
+from evaluation.render_long import render_long, render_long_brief
 from evaluation.render_races import render_incumbent, render_loop
 from evaluation.renderers import (
     render_bakeoff,
@@ -38,7 +39,9 @@ from specforge_dspark.config.command_line import command_parser
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "docs" / "results"
 README = REPO / "README.md"
-DOCS_WITH_FIGURES = ("loop.md", "bakeoff.md", "incumbent.md", "real.md", "engines.md")
+DOCS_WITH_FIGURES = (
+    "loop.md", "bakeoff.md", "incumbent.md", "real.md", "engines.md", "long_context.md"
+)  # fmt: skip
 PAGES = (README, *(REPO / "docs" / f for f in DOCS_WITH_FIGURES))
 # results name -> (run directory, picture in the run, where the picture is published)
 PUBLISHED = {
@@ -54,6 +57,7 @@ PUBLISHED = {
     "real": ("runs/real", "summary.png", "docs/real_summary.png"),
     "loop_real": ("runs/loop_real", "", ""),
     "incumbent_real": ("runs/incumbent_real", "", ""),
+    "long": ("runs/long", "", ""),
 }
 RENDER = {
     "demo": render_demo,
@@ -69,10 +73,12 @@ RENDER = {
     "incumbent": render_incumbent,
     "incumbent_ladder": render_incumbent,
     "incumbent_real": lambda res: render_incumbent(res, "incumbent_real"),
+    "long": render_long,
+    "long_brief": render_long_brief,
 }
 """block name -> the renderer of its figures block (from the results file of the same name,
 or of BLOCK_RESULTS's)."""
-BLOCK_RESULTS = {"drift_workloads": "drift", "real_brief": "real"}
+BLOCK_RESULTS = {"drift_workloads": "drift", "real_brief": "real", "long_brief": "long"}
 BLOCK = re.compile(r"(<!-- figures:(\w+) -->\n)(.*?)(<!-- /figures:\2 -->)", re.S)
 
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from evaluation.metrics import by_context, calibration_pairs, step_stats
+from evaluation.metrics import by_context, calibration_pairs, context_units, step_stats
 from specforge_dspark.decoding.calibration_metrics import auroc, ece
 from specforge_dspark.decoding.prompts import load_conversations, parse_workload
 from specforge_dspark.decoding.spec_decode import Generation, Step, cut_new_tokens
@@ -87,6 +87,32 @@ def test_context_buckets_by_hand():
     assert by_context([c], ["c"], edges=(0, 12, 16, 64))[0]["to"] == 16  # empty ones left out
     with pytest.raises(ValueError, match="rise from 0"):
         by_context([a], ["a"], edges=(12, 16))
+
+
+def test_context_units_from_records_match_the_generations(tmp_path):
+    """The per-bucket units of generations.jsonl records (accepted drafts per step, the
+    prompt's length, the total) are the buckets `by_context` gives the same generations;
+    a last step cut short is cut as the record's total says."""
+    records = [  # a: steps of 3, 2, 2 from 10 (the last cut to 1); b: 4, 1 from 13
+        {"workload": "w", "index": 0, "prompt_tokens": 10, "accepted_per_step": [2, 1, 1],
+         "committed": 6},
+        {"workload": "w", "index": 1, "prompt_tokens": 13, "accepted_per_step": [3, 0],
+         "committed": 5},
+    ]  # fmt: skip
+    (tmp_path / "generations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    cells = context_units(tmp_path, edges=(0, 12, 16))
+    assert cells == [
+        {("w", 0): (3, 1)},  # a's step at 10
+        {("w", 0): (3, 2), ("w", 1): (4, 1)},  # a's at 13 and 15 (2 + 1), b's at 13
+        {("w", 1): (1, 1)},  # b's at 17
+    ]
+    gens = [
+        Generation([0] * 10, [0] * 6, [Step(2, 3, []), Step(1, 2, []), Step(1, 1, [])]),
+        Generation([0] * 13, [0] * 5, [Step(3, 4, []), Step(0, 1, [])]),
+    ]
+    want = by_context(gens, [("w", 0), ("w", 1)], edges=(0, 12, 16))
+    got = [(sum(c for c, _ in cell.values()), sum(n for _, n in cell.values())) for cell in cells]
+    assert got == [(b["committed_tokens"], b["steps"]) for b in want]
 
 
 def test_cut_at_eos_and_budget():

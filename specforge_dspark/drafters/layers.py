@@ -115,15 +115,15 @@ class Attention(nn.Module):
         k_blk, v_blk = self.keys_values(x_BQH, rope_blk)
         k_BAKE = torch.cat((kv_ctx[0], k_blk), 2)
         v_BAKE = torch.cat((kv_ctx[1], v_blk), 2)
-        o_BAQE = (attend or attend_local)(
-            q_BQAE.transpose(1, 2), k_BAKE, v_BAKE, visible_B1QK, empty_B1Q1
-        )
+        qkv = (q_BQAE.transpose(1, 2), k_BAKE, v_BAKE, visible_B1QK, empty_B1Q1)
+        o_BAQE = attend_local(*qkv) if attend is None else attend(*qkv, local=attend_local)
         return self.o_proj(o_BAQE.transpose(1, 2).reshape(B, Q, -1))
 
 
 Attend = Callable[..., torch.Tensor]
-"""(q `[B, A, Q, E]`, k and v `[B, A, K, E]`, visible `[B, 1, Q, K]`, empty `[B, 1, Q, 1]`)
--> attention output `[B, A, Q, E]`."""
+"""(q `[B, A, Q, E]`, k and v `[B, A, K, E]`, visible `[B, 1, Q, K]`, empty `[B, 1, Q, 1]`,
+local=`attend_local`) -> attention output `[B, A, Q, E]`: the layer passes its own local
+attention for the function to run over every rank's keys."""
 
 
 def attend_local(

@@ -37,8 +37,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specforge_dspark.drafters.layers import attend_local
-
 
 @dataclass(frozen=True)
 class SeqShard:
@@ -116,20 +114,19 @@ def gathered_masks(
 
 class UlyssesAttend:
     """`layers.Attend` across a sequence group: DeepSpeed's `DistributedAttention` over
-    `[B, T, A, E]` (batch first: scatter the heads, gather the positions), with
-    `layers.attend_local` as its local attention over every rank's keys."""
+    `[B, T, A, E]` (batch first: scatter the heads, gather the positions), with the
+    drafter's own local attention (`local`, `layers.attend_local`) over every rank's keys."""
 
     def __init__(self, group) -> None:
+        self.group = group
+
+    def __call__(self, q_BAQE, k_BAKE, v_BAKE, visible_B1QK, empty_B1Q1, local) -> Tensor:
         from deepspeed.sequence.layer import DistributedAttention
 
-        self.attention = DistributedAttention(_local, group, scatter_idx=2, gather_idx=1)
+        def over_all(q_BQaE, k_BKaE, v_BKaE, visible, empty) -> Tensor:  # this rank's heads
+            q, k, v = (x.transpose(1, 2) for x in (q_BQaE, k_BKaE, v_BKaE))
+            return local(q, k, v, visible, empty).transpose(1, 2)
 
-    def __call__(self, q_BAQE, k_BAKE, v_BAKE, visible_B1QK, empty_B1Q1) -> Tensor:
+        attention = DistributedAttention(over_all, self.group, scatter_idx=2, gather_idx=1)
         q, k, v = (x.transpose(1, 2) for x in (q_BAQE, k_BAKE, v_BAKE))
-        return self.attention(q, k, v, 0, None, visible_B1QK, empty_B1Q1).transpose(1, 2)
-
-
-def _local(q_BQaE, k_BKaE, v_BKaE, visible_B1QK, empty_B1Q1) -> Tensor:
-    """Attention of every rank's queries over every rank's keys, for this rank's a heads."""
-    q, k, v = (x.transpose(1, 2) for x in (q_BQaE, k_BKaE, v_BKaE))
-    return attend_local(q, k, v, visible_B1QK, empty_B1Q1).transpose(1, 2)
+        return attention(q, k, v, 0, None, visible_B1QK, empty_B1Q1).transpose(1, 2)
