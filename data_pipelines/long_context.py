@@ -24,11 +24,11 @@ files for the same arguments and tokenizer.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from pathlib import Path
 
+from specforge_dspark.config.command_line import command_parser
 from specforge_dspark.targets.corpus import EVAL_ROWS_RESERVED, SHARED_DATA
 
 SESSION_SPLIT = 250
@@ -114,18 +114,22 @@ def spread(lo: int, hi: int, n: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokenizer", required=True, help="the target's directory")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--eval-prompts", type=int, default=24)
-    ap.add_argument("--eval-min", type=int, default=256)
-    ap.add_argument("--eval-max", type=int, default=1900)
-    ap.add_argument("--train-rows", type=int, default=96, help="per length")
-    ap.add_argument("--short-min", type=int, default=96)
-    ap.add_argument("--short-max", type=int, default=384)
-    ap.add_argument("--long-min", type=int, default=1024)
-    ap.add_argument("--long-max", type=int, default=1900)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = command_parser(
+        "data_pipelines.long_context",
+        __doc__.split("\n\n")[0],
+        "python -m data_pipelines.long_context --tokenizer .cache/smollm2 --out runs/long/data",
+    )
+    ap.add_argument("--tokenizer", required=True, help="the target's directory (counts tokens)")
+    ap.add_argument("--out", required=True, help="folder for the three jsonl files")
+    ap.add_argument("--eval-prompts", type=int, default=24, help="evaluation prompts")
+    ap.add_argument("--eval-min", type=int, default=256, help="shortest evaluation prompt")
+    ap.add_argument("--eval-max", type=int, default=1900, help="longest evaluation prompt")
+    ap.add_argument("--train-rows", type=int, default=96, help="training prompts per length")
+    ap.add_argument("--short-min", type=int, default=96, help="short training prompts from")
+    ap.add_argument("--short-max", type=int, default=384, help="... up to (tokens)")
+    ap.add_argument("--long-min", type=int, default=1024, help="long training prompts from")
+    ap.add_argument("--long-max", type=int, default=1900, help="... up to (tokens)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     a = ap.parse_args(argv)
     from transformers import AutoTokenizer
 

@@ -4,7 +4,7 @@ command's `--help`, every `cli.bench` benchmark (`bench all`), a fresh recipe fo
 target and its preflight, the production recipe's dry run, and the figures check.
 
 The `make` targets that are experiments of their own (demo, real, quality, bakeoff, drift,
-incumbent, loop) are recorded where they publish (docs/measured.md), not rerun here.
+incumbent, loop, long) are recorded where they publish (docs/measured.md), not rerun here.
 Writes runs/readme_commands/summary.json and one log per command; exits 1 when any failed.
 """
 
@@ -24,7 +24,8 @@ HELP = (
     "specforge_dspark.cli.export", "specforge_dspark.cli.preflight",
     "specforge_dspark.cli.init_recipe", "specforge_dspark.cli.capture",
     "specforge_dspark.cli.bench", "specforge_dspark.cli.loop", "specforge_dspark.targets",
-    "data_pipelines.prepare", "data_pipelines.regenerate", "evaluation.acceptance",
+    "data_pipelines.prepare", "data_pipelines.regenerate", "data_pipelines.long_context",
+    "evaluation.acceptance",
     "evaluation.calibrate", "evaluation.serve_check", "evaluation.drift", "evaluation.figures",
 )  # fmt: skip
 

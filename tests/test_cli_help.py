@@ -23,6 +23,7 @@ COMMANDS = {
     "specforge_dspark.engines.inkling_layout": "main",
     "data_pipelines.prepare": "main",
     "data_pipelines.regenerate": "main",
+    "data_pipelines.long_context": "main",
     "evaluation.acceptance": "main",
     "evaluation.calibrate": "main",
     "evaluation.serve_check": "main",
@@ -31,7 +32,8 @@ COMMANDS = {
     **{
         f"{BENCH}.{name}": "bench_main"
         for name in ("objective", "step", "stream", "pack", "capture", "drafters", "transport")
-    },  # fmt: skip
+    },
+    **{f"{BENCH}.sp": "bench_main"},  # fmt: skip
 }
 NO_DEFAULTS = {"evaluation.figures", "specforge_dspark.engines.inkling_layout"}  # none to show
 RUN_AS = {"specforge_dspark.targets.__main__": "specforge_dspark.targets"}  # its __main__

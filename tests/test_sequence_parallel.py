@@ -24,6 +24,7 @@ from specforge_dspark.objective.sequence_parallel import (
     split_anchors,
 )
 from tests import faults_tiny as ft
+from tests.test_companions import COMPANION
 from tests.test_objective import OBJ, anchors_for, make_batch, make_models, to64
 
 RANKS = 2
@@ -152,20 +153,22 @@ def _train(out: Path, ranks: int, *extra: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_train_two_ranks_per_sequence_then_resume_on_one(tmp_path, tiny_target_dir):
     """train.py with dist.sequence_parallel=2 on 2 ranks steps like 1 rank on the same
-    batches (losses, weights); its step-2 checkpoint resumes on 1 rank without it, and
-    steps 3-4 are those of the 1-rank run."""
+    batches (losses, weights), a DFlash companion with sliding-window layers too; its
+    step-2 checkpoint resumes on 1 rank without it, and steps 3-4 are the 1-rank run's."""
     one, split = tmp_path / "one", tmp_path / "split"
-    _train(one, 1, "--resume", "none")
-    said = _train(split, 2, "dist.sequence_parallel=2", "--resume", "none", "--stop-at-step", "2")
+    _train(one, 1, COMPANION, "--resume", "none")
+    said = _train(split, 2, COMPANION, "dist.sequence_parallel=2", "--resume", "none",
+                  "--stop-at-step", "2")  # fmt: skip
     assert "on 2 rank(s) (1 group(s) of 2 per sequence)" in said.stdout + said.stderr
-    for step in (1, 2):  # each rank holds half of the positions, the update is the same
-        assert ft.losses(split)[step] == pytest.approx(ft.losses(one)[step], rel=1e-5)
-        _assert_close_weights(split / "ckpt" / f"step-{step}", one / "ckpt" / f"step-{step}")
-    resumed = _train(split, 1, "--resume", "auto")
+    resumed = _train(split, 1, COMPANION, "--resume", "auto")
     assert "re-partitioned from 2 to 1 rank(s)" in resumed.stdout + resumed.stderr
-    for step in (3, 4):
-        assert ft.losses(split)[step] == pytest.approx(ft.losses(one)[step], rel=1e-5)
-    _assert_close_weights(split / "ckpt" / "step-4", one / "ckpt" / "step-4")
+    for sub in ("", "companions/dflash"):  # each rank held half of the positions: same updates
+        got, want = ft.losses(split / sub), ft.losses(one / sub)
+        assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+        assert got == pytest.approx(want, rel=1e-5), sub
+        for step in (2, 4):
+            ckpt = f"ckpt/step-{step}"
+            _assert_close_weights(split / sub / ckpt, one / sub / ckpt)
 
 
 def _assert_close_weights(a: Path, b: Path) -> None:

@@ -9,7 +9,7 @@ another checkout's); stream: bench/stream.py; pack: bench/pack.py (training runs
 with and without data.pack); capture: bench/capture.py (a live CPU SGLang
 server, with vs without feature capture); drafters: bench/drafters.py (one capture feeding one
 drafter vs two); transport: bench/transport.py (/dev/shm vs Mooncake TCP); sp:
-bench/sequence_parallel.py (memory per rank at 2K-8K, 1 vs 2 ranks per sequence); prepare:
+bench/sp.py (memory per rank at 2K-8K, 1 vs 2 ranks per sequence); prepare:
 data_pipelines/prepare.py.
 """
 
@@ -30,7 +30,7 @@ BENCHES = {
     "capture": ("specforge_dspark.cli.bench.capture", "bench_main"),
     "drafters": ("specforge_dspark.cli.bench.drafters", "bench_main"),
     "transport": ("specforge_dspark.cli.bench.transport", "bench_main"),
-    "sp": ("specforge_dspark.cli.bench.sequence_parallel", "bench_main"),
+    "sp": ("specforge_dspark.cli.bench.sp", "bench_main"),
     "prepare": ("data_pipelines.prepare", "bench_main"),
 }
 
