@@ -190,6 +190,19 @@ def judge(drafts: dict, target: Path, num_prompts: int, max_new_tokens: int, out
     return results, workloads, time.time() - t
 
 
+def train_online(recipe: str, overrides: list[str], nproc: int, port: int = 29600) -> None:
+    """train.py under torchrun on `nproc` CPU ranks (one thread each), resuming what is
+    there; the command printed first. The port moves with the process id, so that two
+    scripts running at once do not collide."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+        "--master_port", str(port + os.getpid() % 200),
+        "train.py", "--recipe", recipe, "--resume", "auto", *overrides,
+    ]  # fmt: skip
+    print(" ".join(cmd[2:]), flush=True)
+    subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
 def step(title: str) -> None:
     print(f"\n=== {title}", flush=True)
 
@@ -317,13 +330,7 @@ def main(argv: list[str] | None = None) -> int:
 
     step(f"3/4 online distillation on {a.nproc} CPU ranks")
     t = time.time()
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc),
-        "--master_port", str(29600 + os.getpid() % 200),
-        "train.py", "--recipe", a.recipe, "--resume", "auto", *overrides,
-    ]  # fmt: skip
-    print(" ".join(cmd[2:]), flush=True)
-    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    train_online(a.recipe, overrides, a.nproc)
     split["training"] = time.time() - t
     export_dirs = [resolved_dirs(recipe)["export"] / f for f in recipe.export.formats]
 

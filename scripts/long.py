@@ -54,13 +54,7 @@ def train(name: str, regen: Path, rows: int, steps: int, out: Path, nproc: int, 
         "train.epochs=100", f"checkpoint.save_interval={steps}", "train.eval_interval=0",
         "export.formats=[sglang]", "train.preflight_samples=0", *DRAFT, *LENGTHS[name], *extra,
     ]  # fmt: skip
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_port", str(29700 + os.getpid() % 200),
-        "train.py", "--recipe", RECIPE, "--resume", "auto", *overrides,
-    ]  # fmt: skip
-    print(" ".join(cmd[2:]), flush=True)
-    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    demo.train_online(RECIPE, overrides, nproc, 29700)
     return overrides
 
 

@@ -114,14 +114,8 @@ def train_budget(
             return kept
         print(f"{out}: trained with another recipe or other settings; training it afresh")
         shutil.rmtree(out)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_port", str(29400 + os.getpid() % 200),
-        "train.py", "--recipe", recipe, "--resume", "auto", *overrides,
-    ]  # fmt: skip
-    print(" ".join(cmd[2:]), flush=True)
     t = time.time()
-    subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    demo.train_online(recipe, overrides, nproc, 29400)
     state = json.loads((out / "ckpt" / f"step-{steps}" / "train_state.json").read_text())
     result = {
         "steps": steps,

@@ -141,13 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
     demo.step(f"3/5 online distillation on {a.nproc} CPU ranks, SGLang the live source")
     t = time.time()
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc),
-        "--master_port", str(29600 + os.getpid() % 200),
-        "train.py", "--recipe", RECIPE, "--resume", "auto", *overrides,
-    ]  # fmt: skip
-    print(" ".join(cmd[2:]), flush=True)
-    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    demo.train_online(RECIPE, overrides, a.nproc)
     split["training"] = time.time() - t
     train_state = json.loads((resolved_dirs(recipe)["output"] / "run_status.json").read_text())
 
