@@ -158,10 +158,10 @@ def dry_run(recipe: Recipe, world: int | None = None, gpus_per_node: int = 8) ->
     try:
         check_node_fits(recipe, gpus_per_node)
         checked = check_launch_args(recipe)
+        world, source = implied_world_size(recipe, world)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    world, source = implied_world_size(recipe, world)
     print(f"sizing for {world} rank(s) ({source})")
     print("\n".join([*dry_run_summary(recipe, world), *checked]))
     try:

@@ -135,6 +135,11 @@ def test_heads_and_world_that_do_not_divide_are_refused():
     recipe = load_recipe("recipes/tiny_cpu.yaml", ["dist.sequence_parallel=2"])
     with pytest.raises(ValueError, match="does not divide the world size 3"):
         sequence_shard(recipe, 0, 3)
+    import train  # the dry run refuses it too, before sizing anything
+
+    argv = ["--recipe", "recipes/tiny_cpu.yaml", "--dry-run", "--world-size", "3"]
+    assert train.main([*argv, "dist.sequence_parallel=2"]) == 2
+    assert train.main([*argv, "dist.sequence_parallel=3", "draft.num_attention_heads=6"]) == 0
 
 
 # --------------------------------------------------------------------------- train.py

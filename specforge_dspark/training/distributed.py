@@ -50,6 +50,17 @@ def init_distributed(recipe: Recipe) -> tuple[int, int, torch.device]:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
 
 
+def check_world(recipe: Recipe, world: int) -> int:
+    """dist.sequence_parallel, once checked to divide `world` (ValueError naming both)."""
+    P = recipe.dist.sequence_parallel
+    if world % P:
+        raise ValueError(
+            f"dist.sequence_parallel={P} does not divide the world size {world}: every "
+            f"sequence needs {P} ranks; launch a multiple of {P} ranks"
+        )
+    return P
+
+
 def sequence_shard(recipe: Recipe, rank: int, world: int):
     """Collective when dist.sequence_parallel P > 1: the groups of P consecutive ranks that
     share each sequence (every rank creates every group), and this rank's place in its own
@@ -59,12 +70,7 @@ def sequence_shard(recipe: Recipe, rank: int, world: int):
 
     from specforge_dspark.objective.sequence_parallel import SeqShard
 
-    P = recipe.dist.sequence_parallel
-    if world % P:
-        raise ValueError(
-            f"dist.sequence_parallel={P} does not divide the world size {world}: every "
-            f"sequence needs {P} ranks; launch a multiple of {P} ranks"
-        )
+    P = check_world(recipe, world)
     if P == 1:
         return None
     groups = [dist.new_group(list(range(g, g + P))) for g in range(0, world, P)]

@@ -237,9 +237,18 @@ def slot_summary(recipe: Recipe) -> str:
 
 
 def implied_world_size(recipe: Recipe, asked: int | None) -> tuple[int, str]:
-    """The data-parallel ranks a dry run sizes for, and where the number came from:
-    `--world-size`, else torchrun's WORLD_SIZE, else the launch line in the recipe file's
-    header (`torchrun [--nnodes M] --nproc_per_node N`: M x N), else 1."""
+    """The ranks a dry run sizes for, and where the number came from: `--world-size`, else
+    torchrun's WORLD_SIZE, else the launch line in the recipe file's header (`torchrun
+    [--nnodes M] --nproc_per_node N`: M x N), else 1. ValueError when
+    dist.sequence_parallel does not divide it."""
+    from specforge_dspark.training.distributed import check_world
+
+    world, source = _implied_world_size(recipe, asked)
+    check_world(recipe, world)
+    return world, source
+
+
+def _implied_world_size(recipe: Recipe, asked: int | None) -> tuple[int, str]:
     if asked is not None:
         return asked, "--world-size"
     if os.environ.get("WORLD_SIZE"):
