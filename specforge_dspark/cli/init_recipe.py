@@ -161,7 +161,7 @@ def target_section(
         "device": "cuda", "prefetch": 4, "batch_size": 1, "timeout_s": 600,
     }  # fmt: skip
     if known:
-        # aux hidden states survive only a prefill done in one piece: > data.max_length
+        # a prefill split into chunks still delivers whole aux rows (docs/engines.md)
         args: dict[str, Any] = {"tp_size": gpus, "mem_fraction_static": 0.55,
             "context_length": 2 * max_length, "chunked_prefill_size": 2 * max_length}  # fmt: skip
         if (root.get("quantization_config") or {}).get("quant_algo") == "NVFP4":
