@@ -92,6 +92,15 @@ def _worker(rank: int, ranks: int, store: str, recipe_path: str, overrides, leng
     Path(store, f"rank{rank}.json").write_text(json.dumps(rows))
 
 
+def recipes(workdir: Path, recipe: str = "recipes/smollm2_cpu.yaml", longest: int = 8192) -> list:
+    """The recipe the benchmark sizes its draft and objective from, through the strict
+    loader (`workdir`: unused, every benchmark's signature)."""
+    from specforge_dspark.config.recipe import load_recipe
+
+    path = recipe if Path(recipe).is_file() else str(REPO / recipe)
+    return [load_recipe(path, [*HEADS, f"data.max_length={longest}"])]
+
+
 def measure(ranks: int, recipe_path: str, overrides: list[str], lengths: list[int]) -> list:
     """Per length: the largest peak growth and the slowest step over the ranks."""
     import torch.multiprocessing as mp
