@@ -4,6 +4,8 @@ and the n-gram drafter, paired, and the goal of issue 58."""
 
 from __future__ import annotations
 
+NAMES = {"long": "long", "short": "short", "ngram": "n-gram"}
+
 
 def _span(row: dict) -> str:
     k = lambda n: f"{n // 1024}K" if n else "0"  # noqa: E731
@@ -66,7 +68,7 @@ def render_long_brief(res: dict) -> str:
     """The README's block: one paragraph, the first and the deepest bucket and the goal."""
     p, first, deep = res["provenance"], res["buckets"][0], res["buckets"][-1]
     cells = lambda row: ", ".join(  # noqa: E731
-        f"{name} {_al(row[name])}" for name in ("long", "short", "ngram")
+        f"{label} {_al(row[name])}" for name, label in NAMES.items()
     )
     return (
         f"Accept length on SmolLM2 by context position, {res['eval_prompts']} long-context "
