@@ -98,7 +98,12 @@ def recipes(workdir: Path, recipe: str = "recipes/smollm2_cpu.yaml", longest: in
     from specforge_dspark.config.recipe import load_recipe
 
     path = recipe if Path(recipe).is_file() else str(REPO / recipe)
-    return [load_recipe(path, [*HEADS, f"data.max_length={longest}"])]
+    return [load_recipe(path, overrides_for([], longest))]
+
+
+def overrides_for(given: list[str], longest: int) -> list[str]:
+    """The recipe overrides of a run: `given` (default HEADS) and the longest length."""
+    return [*(given or HEADS), f"data.max_length={longest}"]
 
 
 def measure(ranks: int, recipe_path: str, overrides: list[str], lengths: list[int]) -> list:
@@ -128,7 +133,7 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help=f"recipe overrides (default: {' '.join(HEADS)})")
     args = ap.parse_args(argv)
     lengths = sorted(int(x) for x in args.lengths.split(","))
-    overrides = [*(args.overrides or HEADS), f"data.max_length={max(lengths)}"]
+    overrides = overrides_for(args.overrides, max(lengths))
     recipe_path = str(REPO / args.recipe) if not Path(args.recipe).is_file() else args.recipe
     rows = measure(1, recipe_path, overrides, lengths) + measure(2, recipe_path, overrides, lengths)
     one = {r["length"]: r["peak_rss_growth_mb"] for r in rows if r["ranks"] == 1}
