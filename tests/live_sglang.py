@@ -11,8 +11,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+import torch
+
 from specforge_dspark.config.recipe import recipe_from_dict
 from specforge_dspark.engines.sglang import ServerProcess, launch_args
+from specforge_dspark.training.stream import FeatureStream
 from tests.live_keys import API_KEY_ENV
 
 LAYERS = [0, 1, 2]
@@ -148,3 +151,32 @@ def assert_failed_on_the_death(log_text: str, server: str, took: float, recipe: 
         f"deadline (target.timeout_s={deadline:g}s in {recipe}), so it did not see the death"
     )
     return named[0]
+
+
+def collect_features(
+    recipe, batches, window=None
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(rows, aux, last) of each batch; with `window` (S -> (lo, W), FeatureStream.window)
+    the rows of positions [lo, lo + W) only, rows then each sequence's count of them."""
+    with FeatureStream(recipe) as stream:
+        stream.window = window
+        out = []
+        for f in stream.iterate(batches):
+            f = f.to("cpu")  # where the trainer's features land: fp8 aux rows dequantized
+            rows = f.lengths - (f.row0 or 0)
+            rows = rows.clamp(0, f.aux_hidden.shape[1])
+            out.append((rows, f.aux_hidden.clone(), f.last_hidden.clone()))
+        return out
+
+
+def windowed(whole, window):
+    """What `_collect(..., window)` should give, cut from every position's features."""
+    out = []
+    for lengths, aux, last in whole:
+        lo, W = window(aux.shape[1])
+        pad = [
+            torch.cat((t[:, lo : lo + W], t.new_zeros(t.shape[0], W, t.shape[2])), 1)
+            for t in (aux, last)
+        ]
+        out.append(((lengths - lo).clamp(0, W), pad[0][:, :W], pad[1][:, :W]))
+    return out

@@ -16,6 +16,10 @@ from tests.live_sglang import LAYERS, free_port
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 START_TIMEOUT_S = 300.0
+CHUNK = 64
+"""The test server's tokens per engine step: a longer prompt is prefilled in chunks
+(vLLM's chunked prefill, on by default on CPU), so the tests read features of split
+prefills, as a long context is served."""
 
 
 def tiny_vllm_recipe(target_dir: Path, url: str | None = None, port: int = 0):
@@ -48,6 +52,7 @@ class LiveVLLM:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         recipe = tiny_vllm_recipe(target_dir, port=self.port)
+        recipe.target.vllm.server_args = {"max_num_batched_tokens": CHUNK}  # prefills split
         self.log_path = Path(log_dir) / f"vllm-{self.port}.log"
         t0 = time.monotonic()
         self.api_key = os.environ[API_KEY_ENV]  # as the SGLang test servers' (live_sglang.py)

@@ -173,16 +173,20 @@ def test_the_dry_run_sizes_for_the_launch_the_recipe_names(tmp_path, monkeypatch
 def test_sequence_parallel_sizes_128k_on_8_ranks_within_a_b200():
     """The production recipe at 128K positions: SP 8 on 8 ranks cuts each rank's context
     rows and anchors by 8 and fits a B200 (180 GB) with room for the co-located server's
-    share; the features still arrive whole (cut on the device), counted whole."""
+    share; the engine hands each rank its slice of the features (1/8 and a block's halo),
+    whole again with data.pack (cut on the device)."""
     prod = REPO / "recipes" / "inkling_nvfp4.yaml"
     with torch.device("meta"):
         n = sum(p.numel() for p in new_draft(load_recipe(prod).draft).parameters())
     est = {}
-    for sp in (1, 8):
-        r = load_recipe(prod, ["data.max_length=131072", f"dist.sequence_parallel={sp}"])
-        est[sp] = memory.estimate(r, n, 8)
+    for sp, pack in ((1, "false"), (8, "false"), (8, "true")):
+        over = ["data.max_length=131072", f"dist.sequence_parallel={sp}", f"data.pack={pack}"]
+        est[sp, pack] = memory.estimate(load_recipe(prod, over), n, 8)
+    est[1], est[8] = est[1, "false"], est[8, "false"]
     kv, feats = "activations: context K/V", "activations: features"
     assert est[8][kv] == pytest.approx(est[1][kv] / 8, rel=1e-3)
-    assert est[8][feats] == est[1][feats]
+    G = load_recipe(prod).draft.block_size
+    assert est[8][feats] == est[1][feats] * (131072 // 8 + G - 1) / 131072
+    assert est[8, "true"][feats] == est[1][feats]
     assert memory.total_bytes(est[8]) < 0.6 * memory.total_bytes(est[1])
     assert memory.total_bytes(est[8]) < 0.5 * 180e9  # half a B200 left to the server

@@ -24,6 +24,7 @@ from specforge_dspark.objective.sequence_parallel import (
     split_anchors,
 )
 from tests import faults_tiny as ft
+from tests.inject import drills
 from tests.test_companions import COMPANION
 from tests.test_objective import OBJ, anchors_for, make_batch, make_models, to64
 
@@ -145,12 +146,11 @@ def test_heads_and_world_that_do_not_divide_are_refused():
 # --------------------------------------------------------------------------- train.py
 
 
-def _train(out: Path, ranks: int, *extra: str) -> subprocess.CompletedProcess:
+def _train(out: Path, ranks: int, *extra: str, nan: str = "") -> subprocess.CompletedProcess:
     cmd = ft.command(out, "train.max_steps=4", *extra)
     cmd[cmd.index("--nproc_per_node") + 1] = str(ranks)
-    p = subprocess.run(
-        cmd, cwd=ft.REPO, env=ft.environment(out, None), capture_output=True, text=True, timeout=600
-    )
+    env = ft.environment(out, {drills.NAN: nan} if nan else None)
+    p = subprocess.run(cmd, cwd=ft.REPO, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode in (0, 143), p.stderr[-3000:]
     return p
 
@@ -159,17 +159,22 @@ def _train(out: Path, ranks: int, *extra: str) -> subprocess.CompletedProcess:
 def test_train_two_ranks_per_sequence_then_resume_on_one(tmp_path, tiny_target_dir):
     """train.py with dist.sequence_parallel=2 on 2 ranks steps like 1 rank on the same
     batches (losses, weights), a DFlash companion with sliding-window layers too; its
-    step-2 checkpoint resumes on 1 rank without it, and steps 3-4 are the 1-rank run's."""
+    step-2 checkpoint resumes on 1 rank without it, and steps 3-4 are the 1-rank run's.
+    Each rank of the pair gets only its slice from the engine; NaN features in the second
+    rank's slice of micro-batch 2 clear those samples on both ranks, as NaN features of
+    the same micro-batch do in the 1-rank run."""
     one, split = tmp_path / "one", tmp_path / "split"
-    _train(one, 1, COMPANION, "--resume", "none")
+    _train(one, 1, COMPANION, "--resume", "none", nan="features:2")
     said = _train(split, 2, COMPANION, "dist.sequence_parallel=2", "--resume", "none",
-                  "--stop-at-step", "2")  # fmt: skip
+                  "--stop-at-step", "2", nan="features:2@1")  # fmt: skip
     assert "on 2 rank(s) (1 group(s) of 2 per sequence)" in said.stdout + said.stderr
+    assert "each rank asks hf for its slice of every sequence's features" in said.stdout
+    assert "[drill] rank 1: NaN features in micro-batch 2" in said.stderr
     resumed = _train(split, 1, COMPANION, "--resume", "auto")
     assert "re-partitioned from 2 to 1 rank(s)" in resumed.stdout + resumed.stderr
     for sub in ("", "companions/dflash"):  # each rank held half of the positions: same updates
         got, want = ft.losses(split / sub), ft.losses(one / sub)
-        assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+        assert sorted(got) == sorted(want) == [1, 3, 4]  # step 2: every sample cleared
         assert got == pytest.approx(want, rel=1e-5), sub
         for step in (2, 4):
             ckpt = f"ckpt/step-{step}"
@@ -184,3 +189,28 @@ def _assert_close_weights(a: Path, b: Path) -> None:
     assert wa.keys() == wb.keys()
     for name in wa:
         torch.testing.assert_close(wa[name], wb[name], rtol=0, atol=1e-4, msg=name)
+
+
+def test_the_hf_worker_hands_a_rank_its_window_only(tiny_target_dir):
+    """With a window (FeatureStream.window, what dist.sequence_parallel asks) the hf
+    worker writes only those rows, into slots sized for them: equal to the same rows of
+    every position's features, zero past a sequence's end (one ends before the window)."""
+    from specforge_dspark.training.stream import FeatureStream
+    from tests.test_stream import make_samples, tiny_recipe
+
+    recipe = tiny_recipe(tiny_target_dir, batch_size=1)
+    batches = [make_samples([37, 5, 60]), make_samples([64], seed=1, first_id=200)]
+    window = lambda S: (S // 2 - 4, S // 2 + 3)  # noqa: E731  second half, 7 rows of halo
+    with FeatureStream(recipe) as stream:
+        whole = [(f.aux_hidden.clone(), f.last_hidden.clone()) for f in stream.iterate(batches)]
+    with FeatureStream(recipe) as stream:
+        stream.window = window
+        for (aux, last), f in zip(whole, stream.iterate(batches), strict=True):
+            lo, W = window(aux.shape[1])
+            assert f.row0 == lo and f.aux_hidden.shape[1] == f.last_hidden.shape[1] == W
+            for got, want in ((f.aux_hidden, aux), (f.last_hidden, last)):
+                want = torch.cat((want, torch.zeros_like(want)), 1)[:, lo : lo + W]
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        capacities = [slot.layout.capacity for slot in stream.engine.slots[:2]]
+    # batch 0: S 60, rows [26, 59): 11 + 0 + 33 of 102; batch 1: S 64, [28, 63): 35 of 64
+    assert capacities == [44, 35]

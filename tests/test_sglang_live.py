@@ -30,11 +30,17 @@ import torch
 
 from specforge_dspark.engines.pool import PORT_STRIDE
 from specforge_dspark.engines.server import port_taken
-from specforge_dspark.training.stream import FeatureStream
 from specforge_dspark.transport.features import Sample
 from tests.inject import drills
 from tests.live_keys import API_KEY_ENV, attach_key, key_kept_private, refused_without_key
-from tests.live_sglang import LiveServer, assert_failed_on_the_death, free_port, tiny_sglang_recipe
+from tests.live_sglang import (
+    LiveServer,
+    assert_failed_on_the_death,
+    collect_features,
+    free_port,
+    tiny_sglang_recipe,
+    windowed,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 30
@@ -51,15 +57,6 @@ def _batches(lengths: list[list[int]], seed: int = 0) -> list[list[Sample]]:
             sid += 1
         out.append(batch)
     return out
-
-
-def _collect(recipe, batches) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    with FeatureStream(recipe) as stream:
-        out = []
-        for f in stream.iterate(batches):
-            f = f.to("cpu")  # where the trainer's features land: fp8 aux rows dequantized
-            out.append((f.lengths.clone(), f.aux_hidden.clone(), f.last_hidden.clone()))
-        return out
 
 
 def _hf_recipe(target_dir: Path):
@@ -79,8 +76,8 @@ def _max_diff(got, want) -> float:
 
 def test_live_server_features_equal_the_hf_backend(sglang_server, tiny_qwen3_dir):
     batches = _batches([[37, 5, 120], [64], [9, 200, 1]])
-    live = _collect(tiny_sglang_recipe(tiny_qwen3_dir, url=sglang_server.url), batches)
-    ref = _collect(_hf_recipe(tiny_qwen3_dir), batches)
+    live = collect_features(tiny_sglang_recipe(tiny_qwen3_dir, url=sglang_server.url), batches)
+    ref = collect_features(_hf_recipe(tiny_qwen3_dir), batches)
     diff = _max_diff(live, ref)
     start = sglang_server.start_seconds
     print(f"live SGLang vs hf features: max abs diff {diff:.3g} (server start {start:.0f}s)")
@@ -107,12 +104,15 @@ def test_regenerate_on_sglang_continues_an_opening_like_the_hf_backend(
 
         async def ask(prompt=prompt):
             async with served:
-                opening, _ = await served.generate(prompt, 4, 1.0, 1.0)
+                for _ in range(8):  # a sampled opening may end the turn: draw another
+                    opening, _ = await served.generate(prompt, 4, 1.0, 1.0)
+                    if len(opening) == 4 and not set(opening) & hf.chat.eos_ids:
+                        break
                 rest, _ = await served.generate(prompt + opening, 20, 0.0, 1.0)
                 return opening, rest
 
         opening, rest = asyncio.run(ask())
-        assert len(opening) == 4 and not set(opening) & hf.chat.eos_ids
+        assert len(opening) == 4 and not set(opening) & hf.chat.eos_ids, opening
         hf.rc = RegenerateRecipe(max_new_tokens=20)
         head = torch.tensor([prompt + opening])
         want = hf.generate_ids(head, torch.ones_like(head))[0]
@@ -149,22 +149,28 @@ def chunked_server(tiny_qwen3_dir, tmp_path_factory):
 def test_split_prefills_arrive_whole(chunked_server, tiny_qwen3_dir):
     batches = _batches([[70, 33], [150], [8, 95, 41], [260]], seed=1)
     recipe = tiny_sglang_recipe(tiny_qwen3_dir, url=chunked_server.url)
-    live = _collect(recipe, batches)  # prefetch 3: requests of several batches in flight
-    ref = _collect(_hf_recipe(tiny_qwen3_dir), batches)
+    live = collect_features(recipe, batches)  # prefetch 3: requests of several batches in flight
+    ref = collect_features(_hf_recipe(tiny_qwen3_dir), batches)
     assert _max_diff(live, ref) <= 1e-5  # a chunk attends to its prefix through the KV cache
+    # a rank's slice only (dist.sequence_parallel): positions [S/3, S/3 + 40) of each
+    # sequence, cut from the chunks as they come (a slot sized for those rows alone)
+    third = lambda S: (S // 3, 40)  # noqa: E731
+    sliced = collect_features(recipe, batches, third)
+    assert [a.shape[1] for _, a, _ in sliced] == [40] * len(batches)
+    assert _max_diff(sliced, windowed(ref, third)) <= 1e-5
     log = chunked_server.log_path.read_text()
     chunks = [int(n) for n in re.findall(r"Prefill batch, #new-seq: \d+, #new-token: (\d+)", log)]
     sequences = sum(len(b) for b in batches) + 1  # + the start-up probe
     assert len(chunks) > sequences and max(chunks) <= 32, "the server did not split prefills"
     # the same chunks written through Mooncake (server on 127.0.0.3, trainer on 127.0.0.1)
     recipe.target.transport = "mooncake"
-    over_mooncake = _collect(recipe, batches)
+    over_mooncake = collect_features(recipe, batches)
     assert _max_diff(over_mooncake, ref) <= 1e-5
     assert "listening on 127.0.0.3" in chunked_server.log_path.read_text()
     # and as fp8 aux rows with a scale per (row, aux layer): each element within 1/16 of
     # its layer's largest in the row; the last hidden rows in bf16 (its rounding alone)
     recipe.target.transport_dtype = "fp8_e4m3"
-    fp8 = _collect(recipe, batches)
+    fp8 = collect_features(recipe, batches)
     for (_, aux, last), (_, want_aux, want_last) in zip(fp8, ref, strict=True):
         assert aux.dtype == last.dtype == torch.float32
         H = last.shape[-1]

@@ -102,6 +102,39 @@ def test_a_producer_maps_a_slot_once_and_again_when_the_file_is_replaced(writer_
         maps.close()
 
 
+def test_a_window_keeps_only_its_rows_of_every_chunk():
+    """A request for positions [3, 8) (a rank's slice, PaddedBatch.window): the slot has
+    room for those rows alone; chunks of a split prefill (rows [0, 4), [4, 10)) land where
+    their window rows go, the rest dropped; the ticket is done once every position was
+    prefilled, also for a sequence the window misses (length 2)."""
+    from specforge_dspark.transport.request import slot_features
+
+    slot = ShmSlot("windowtest", aux_width=6, hidden=4, dtype=torch.float32)
+    ids = torch.zeros(3, 10, dtype=torch.long)
+    batch = PaddedBatch([1, 2, 3], ids, ids, torch.tensor([10, 6, 2]), window=(3, 5))
+    try:
+        views = issue_tickets(slot, batch)
+        assert views.lengths == [5, 3, 0] and slot.layout.capacity == 8
+        path = str(slot.path)
+        rows = torch.arange(10, dtype=torch.float32)[:, None]  # row r holds r
+        for b, n in enumerate([10, 6, 2]):
+            nonce = slot.read_ticket(b).nonce
+            for a, z in ((0, min(4, n)), (4, n)):
+                if a < z:
+                    aux, last = rows[a:z].expand(-1, 6) + 100 * b, rows[a:z].expand(-1, 4)
+                    write_features(path, b, nonce, a, aux, -last)
+            t = slot.read_ticket(b)
+            assert (t.status, t.written, t.window) == (DONE, n, (3, [5, 3, 0][b]))
+        f = slot_features(views, batch, torch.float32)
+        assert f.row0 == 3 and f.aux_hidden.shape == (3, 5, 6) and f.last_hidden.shape == (3, 5, 4)
+        assert f.aux_hidden[0, :, 0].tolist() == [3, 4, 5, 6, 7]
+        assert f.aux_hidden[1, :, 0].tolist() == [103, 104, 105, 0, 0]
+        assert f.last_hidden[1, :, 0].tolist() == [-3, -4, -5, 0, 0]
+        assert not f.aux_hidden[2].any()
+    finally:
+        slot.close()
+
+
 def test_a_late_writer_after_a_timeout_and_slot_reuse_writes_nothing(monkeypatch):
     slot = ShmSlot("noncetest", aux_width=6, hidden=4, dtype=torch.float32)
     ids = torch.ones(1, 3, dtype=torch.long)

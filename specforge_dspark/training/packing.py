@@ -82,7 +82,10 @@ def pack_features(f: TargetFeatures, pack_of: Mapping[int, int]) -> TargetFeatur
     eval row, is a pack of its own) are concatenated in order, right-padded to the
     longest pack; `position_ids` restart at 0 per conversation (0 on padding), and each
     conversation after a pack's first has its first token unsupervised. `sample_ids` of
-    the result lists every conversation, pack by pack."""
+    the result lists every conversation, pack by pack. Every position's rows only (a
+    window of rows is never asked for with data.pack: training/build.py)."""
+    if f.row0 is not None:
+        raise ValueError("pack_features: packing needs every position's rows, not a window")
     groups: list[list[int]] = []
     for i, sid in enumerate(f.sample_ids):
         key = pack_of.get(int(sid))

@@ -128,7 +128,11 @@ def preflight(
     plan = split_plan(longest, server_chunk(url, api_key)) if url else None
     plan_fits = plan is not None and not budget.refusal([len(s.input_ids) for s in plan[1]])
     batches = [[s] for s in chosen] + [together] + ([[plan[0]], plan[1]] if plan_fits else [])
-    feats = [_clone(f) for f in stream.iterate(batches)]
+    window, stream.window = stream.window, None  # every position's rows: the checks read them
+    try:
+        feats = [_clone(f) for f in stream.iterate(batches)]
+    finally:
+        stream.window = window
     stream.wait_seconds, stream.bytes_out = counters
     alone, together_f = feats[: len(chosen)], feats[len(chosen)]
     expected = tap_convention(read_target_config(t.path))

@@ -6,6 +6,9 @@
             ...feats.aux_hidden [B,S,m*H], feats.last_hidden [B,S,H]...
         stream.wait_seconds                                      # time blocked on features
 
+With `stream.window` set (dist.sequence_parallel), each batch asks the engine for a
+window of its positions only, the features then `[B, W, ...]` from position row0.
+
 `target.prefetch` requests stay in flight; results come back in the order of `batches`
 with their sample ids. Memory is bounded: prefetch + 1 shared-memory slots per rank
 (in flight + the one the caller holds), reused round-robin, so a yielded batch's tensors
@@ -33,7 +36,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 from specforge_dspark.transport.features import (
@@ -113,6 +116,10 @@ class FeatureStream:
         self._seq = 0
         self._old_sigterm: Any = None
         self.engine = make_engine(recipe, rank, world_size, num_slots=self.prefetch + 1)
+        self.window: Callable[[int], tuple[int, int]] | None = None
+        """Padded length S -> the window of rows (lo, W) to ask the engine for
+        (PaddedBatch.window; dist.sequence_parallel sets it, training/build.py); None:
+        every row."""
 
     def __enter__(self) -> FeatureStream:
         if threading.current_thread() is threading.main_thread():
@@ -147,6 +154,8 @@ class FeatureStream:
                 if samples is None:
                     return
                 batch = pad_batch(list(samples))
+                if self.window is not None:
+                    batch.window = self.window(batch.shape[1])
                 seq, self._seq = self._seq, self._seq + 1
                 self.engine.submit(seq, batch)
                 pending.append((seq, batch, time.monotonic()))

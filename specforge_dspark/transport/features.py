@@ -73,6 +73,10 @@ class TargetFeatures:
     being aux_hidden[..., i*H:(i+1)*H] * aux_scale[..., i] (transport/fp8_rows.py), and
     `to(device)` dequantizes them into last_hidden's dtype where they land; train on
     the result. None: `aux_hidden` holds the features."""
+    row0: int | None = None
+    """The position of the feature rows' first row when they are a window of the batch's
+    positions (PaddedBatch.window: aux and last `[B, W, ...]`, rows past a sequence zero);
+    None: rows from position 0, `[B, S, ...]`."""
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> TargetFeatures:
         """These features on `device`, fp8 aux rows dequantized there (`aux_scale`). Host
@@ -97,6 +101,7 @@ class TargetFeatures:
             _features(move(self.aux_hidden), self.aux_scale, last.dtype),
             last,
             position_ids=None if self.position_ids is None else move(self.position_ids),
+            row0=self.row0,
         )
 
 
@@ -134,7 +139,15 @@ def _to_gpu(f: TargetFeatures, device: torch.device) -> TargetFeatures:
     note_read(host, done)
     pos = None if f.position_ids is None else f.position_ids.to(main.device)
     return TargetFeatures(
-        list(f.sample_ids), ids, mask, lengths, aux, last, copy_done=done, position_ids=pos
+        list(f.sample_ids),
+        ids,
+        mask,
+        lengths,
+        aux,
+        last,
+        copy_done=done,
+        position_ids=pos,
+        row0=f.row0,
     )
 
 
@@ -146,10 +159,28 @@ class PaddedBatch:
     input_ids: torch.Tensor  # [B, S] int64
     loss_mask: torch.Tensor  # [B, S] int64
     lengths: torch.Tensor  # [B] int64
+    window: tuple[int, int] | None = None
+    """(first position lo, rows W): the engine hands back only positions [lo, lo + W) of
+    each sequence (dist.sequence_parallel: a rank's slice and its halo), the features then
+    `[B, W, ...]` with TargetFeatures.row0 = lo. None: every position. An engine without
+    windows (offline) may return every position: row0 then says which."""
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.input_ids.shape)  # type: ignore[return-value]
+
+    def window_rows(self) -> list[int]:
+        """The rows each sequence has in the window ([B]; its length without one)."""
+        return window_rows(self.lengths.tolist(), self.window)
+
+
+def window_rows(lengths: list[int], window: tuple[int, int] | None) -> list[int]:
+    """How many of positions [lo, lo + W) each sequence of `lengths` has (every one of
+    its positions when `window` is None)."""
+    if window is None:
+        return [int(n) for n in lengths]
+    lo, W = window
+    return [max(0, min(int(n), lo + W) - lo) for n in lengths]
 
 
 def _as_long(x: Any, what: str, sample_id: int) -> torch.Tensor:

@@ -23,15 +23,17 @@ from specforge_dspark.transport.tickets import (
 def issue_tickets(slot: ShmSlot, batch: PaddedBatch, fresh: bool = False) -> SlotViews:
     """Fit `slot` to `batch` (ValueError, nothing written, when it is over the run's slot
     budget; `fresh`: in a new file, ShmSlot.prepare) and issue a pending ticket per
-    sequence with a fresh nonce: its rows, and where they go (ragged: sequence b's rows
-    follow those of sequences 0..b-1, shm.py)."""
-    views = slot.prepare(batch.lengths.tolist(), fresh)
+    sequence with a fresh nonce: its positions, the window of them the slot holds
+    (`batch.window`: the rows of [lo, lo + W) only), and where those rows go (ragged:
+    sequence b's rows follow those of sequences 0..b-1, shm.py)."""
+    views = slot.prepare(batch.window_rows(), fresh)
     lay = slot.layout
     code = DTYPE_CODES[lay.dtype]
-    for b, n in enumerate(views.lengths):
+    lo = 0 if batch.window is None else batch.window[0]
+    for b, (n, count) in enumerate(zip(batch.lengths.tolist(), views.lengths, strict=True)):
         aux_off, last_off = views.offsets(b)
         ticket = Ticket(PENDING, n, 0, aux_off, last_off, lay.aux_width, lay.hidden, code)
-        ticket.nonce = new_nonce()
+        ticket.nonce, ticket.lo, ticket.count = new_nonce(), lo, count
         slot.write_ticket(b, ticket)
     return views
 
@@ -40,9 +42,10 @@ def slot_features(views: SlotViews, batch: PaddedBatch, dtype: torch.dtype) -> T
     """`batch`'s features from the written rows of `views`, padded to the batch (views of
     the slot when every length is the same), the last hidden rows in `dtype`
     (target.dtype). fp8 aux rows stay fp8 beside their scales: `TargetFeatures.to`
-    dequantizes them where they land (on the GPU after an asynchronous copy)."""
-    S = batch.shape[1]
-    aux, last = views.padded(S)
+    dequantizes them where they land (on the GPU after an asynchronous copy). With a
+    window (`batch.window`) the rows are [lo, lo + W) of each sequence, row0 = lo."""
+    rows = batch.shape[1] if batch.window is None else batch.window[1]
+    aux, last = views.padded(rows)
     return TargetFeatures(
         batch.sample_ids,
         batch.input_ids,
@@ -50,7 +53,8 @@ def slot_features(views: SlotViews, batch: PaddedBatch, dtype: torch.dtype) -> T
         batch.lengths,
         aux,
         last.to(dtype),
-        aux_scale=views.padded_scale(S),
+        aux_scale=views.padded_scale(rows),
+        row0=None if batch.window is None else batch.window[0],
     )
 
 

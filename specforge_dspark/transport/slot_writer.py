@@ -3,22 +3,24 @@ answers its ticket.
 
 Called inside the engine's server (the SGLang plugin's hook, the vLLM connector's worker)
 with the slot's location (a /dev/shm path, or with `target.transport: mooncake` a
-trainer's slot on any host, mooncake.py: `SlotAccess`), ticket index and nonce the
-trainer put in the request. `SLOTS` keeps
-each slot mapped once per process (page-locked on CUDA, `SlotMaps`; the hf worker keeps
-its own), so the device-to-host copy is one DMA into the slot. A writer whose nonce is not
-the ticket's writes nothing: it checks before copying and again before answering. A
-request the trainer gave up on is never followed in its slot's file or registration (the
-next request there gets a fresh one, served.py `submit`), so a late writer reaches only
-memory no request reads again. A request's rows may arrive in chunks (a split prefill):
-each lands at its offset in the sequence, and the ticket turns DONE once all of them are
-there. In an fp8 slot (target.transport_dtype fp8_e4m3) the aux rows are quantized where
-they are (on the GPU in production: fewer bytes to the host), a bounded block of rows at
-a time straight into the slot or the Mooncake staging buffer, with a scale per (row, aux
-layer); the last hidden rows go in bfloat16 (fp8_rows.py). Nothing here raises into the
-engine: a failure goes to the trainer through the ticket (FAILED, with the reason; a
-writer's own error, a failed transfer or an out-of-memory say, marked
-tickets.WRITER_FAILED, best effort), and the server keeps serving.
+trainer's slot on any host, mooncake.py: `SlotAccess`), ticket index and nonce the trainer
+put in the request. `SLOTS` keeps each slot mapped once per process (page-locked on CUDA,
+`SlotMaps`; the hf worker keeps its own), so the device-to-host copy is one DMA into the
+slot. A writer whose nonce is not the ticket's writes nothing: it checks before copying
+and again before answering. A request the trainer gave up on is never followed in its
+slot's file or registration (the next request there gets a fresh one, served.py `submit`),
+so a late writer reaches only memory no request reads again. A request's rows may arrive
+in chunks (a split prefill): each lands at its offset in the sequence, and the ticket
+turns DONE once all of them are there. A ticket with a window (tickets.py: positions [lo,
+lo + count), a rank's slice under dist.sequence_parallel) gets only the rows inside it:
+the rest of each chunk never leaves the engine's device. In an fp8 slot
+(target.transport_dtype fp8_e4m3) the aux rows are quantized where they are (on the GPU in
+production: fewer bytes to the host), a bounded block of rows at a time straight into the
+slot or the Mooncake staging buffer, with a scale per (row, aux layer); the last hidden
+rows go in bfloat16 (fp8_rows.py). Nothing here raises into the engine: a failure goes to
+the trainer through the ticket (FAILED, with the reason; a writer's own error, a failed
+transfer or an out-of-memory say, marked tickets.WRITER_FAILED, best effort), and the
+server keeps serving.
 
 Imports only torch, the standard library, shm.py, fp8_rows.py, tickets.py and mooncake.py:
 it is installed with `--no-deps` in each engine's own environment.
@@ -173,11 +175,11 @@ class SlotAccess:
 def write_features(
     location: str, ticket: int, nonce: int, row0: int | None, aux_ND, last_NH
 ) -> None:
-    """Copy one request's rows [row0, row0 + N) into its slot (a /dev/shm path or a
-    Mooncake location, SlotAccess) and update the ticket: done once all of its rows are
-    written (row0 None: right after those written so far). Nothing when the ticket's
-    nonce is not `nonce` (module docstring). Never raises: an error marks the ticket
-    FAILED as the writer's (`fail(lost=True)`), best effort."""
+    """Copy one request's rows [row0, row0 + N) (those inside the ticket's window) into its
+    slot (a /dev/shm path or a Mooncake location, SlotAccess) and update the ticket:
+    done once every position is prefilled (row0 None: right after those so far). Nothing
+    when the ticket's nonce is not `nonce` (module docstring). Never raises: an error
+    marks the ticket FAILED as the writer's (`fail(lost=True)`), best effort."""
     try:
         slot = SlotAccess(location)
         t = _mine(slot, nonce, ticket)
@@ -190,7 +192,12 @@ def write_features(
         if problem:
             t.status, t.error = FAILED, problem
         elif t.status != FAILED:
-            _put_rows(slot, t, row0, aux_ND, last_NH)
+            lo, count = t.window
+            a, b = max(row0, lo), min(row0 + rows, lo + count)  # the chunk's rows it asks for
+            if a < b:
+                _put_rows(
+                    slot, t, a - lo, aux_ND[a - row0 : b - row0], last_NH[a - row0 : b - row0]
+                )
             t.written = row0 + rows
             t.status = DONE if t.written == t.rows else PENDING
         if _mine(slot, nonce, ticket) is not None:
@@ -203,7 +210,7 @@ def write_features(
 
 
 def _put_rows(slot: SlotAccess, t: Ticket, row0: int, aux_ND, last_NH) -> None:
-    """Rows [row0, row0 + N) of ticket `t`'s sequence into the slot in its dtypes (fp8 aux
+    """N rows into ticket `t`'s rows [row0, row0 + N) of the slot in its dtypes (fp8 aux
     rows quantized block by block beside their scales: module docstring)."""
     lay, N = slot.layout, aux_ND.shape[0]
     aux_row, last_row = t.aux_width * lay.dtype.itemsize, t.hidden * lay.last_dtype.itemsize

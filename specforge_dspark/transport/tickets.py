@@ -12,8 +12,14 @@ The trainer reads the tickets, not the engine's reply, to know what was written
 (served.py): with tensor parallelism any rank may write, and vLLM's connector writes after
 the reply may have left. Standard library only: it runs inside every engine's venv.
 
+A ticket may ask for a window of its sequence's rows (`lo`, `count`: positions
+[lo, lo + count), dist.sequence_parallel: a rank holds only its slice): the engine still
+prefills the whole sequence, and the writer copies only the rows inside the window, at
+slot row (position - lo); `written` counts the positions prefilled, so the ticket is done
+once it reaches `rows` whatever the window holds.
+
 Record (256 bytes, little-endian): magic, status, rows, written, aux_off, last_off,
-aux_width, hidden, dtype code, nonce, then up to 176 bytes of UTF-8 error text.
+aux_width, hidden, dtype code, nonce, lo, count, then up to 160 bytes of UTF-8 error text.
 """
 
 from __future__ import annotations
@@ -22,9 +28,9 @@ import secrets
 import struct
 from dataclasses import dataclass
 
-_TICKET = struct.Struct("<8s9q176s")  # magic, status, rows, written, offsets..., nonce, error
+_TICKET = struct.Struct("<8s11q160s")  # magic, status, rows, written, ..., nonce, window, error
 TICKET_SIZE = _TICKET.size  # 256
-_TICKET_MAGIC = b"SFDTKT01"
+_TICKET_MAGIC = b"SFDTKT02"  # 02: a window of rows (lo, count)
 
 PENDING, DONE, FAILED = 0, 1, 2
 WRITER_FAILED = "writer failed: "
@@ -38,8 +44,8 @@ class Ticket:
     """One sequence's request/answer record inside a slot."""
 
     status: int
-    rows: int  # tokens expected
-    written: int  # tokens the producer wrote
+    rows: int  # the sequence's positions (tokens) the engine prefills
+    written: int  # positions prefilled so far (their rows inside the window written)
     aux_off: int  # byte offset of this sequence's first aux row
     last_off: int  # byte offset of its first last-hidden row
     aux_width: int
@@ -47,10 +53,17 @@ class Ticket:
     dtype_code: int
     error: str = ""
     nonce: int = 0  # the request's: a writer presenting another one writes nothing
+    lo: int = 0  # the window's first position
+    count: int = -1  # rows in the window (-1: every row, [0, rows))
+
+    @property
+    def window(self) -> tuple[int, int]:
+        """(first position, rows) the slot holds of this sequence."""
+        return (self.lo, self.count) if self.count >= 0 else (0, self.rows)
 
     def pack(self) -> bytes:
         """The record: TICKET_SIZE bytes."""
-        err = self.error.encode()[:176]
+        err = self.error.encode()[:160]
         return _TICKET.pack(
             _TICKET_MAGIC,
             self.status,
@@ -62,19 +75,23 @@ class Ticket:
             self.hidden,
             self.dtype_code,
             self.nonce,
+            self.lo,
+            self.count,
             err,
         )
 
     @staticmethod
     def unpack(buf, offset: int) -> Ticket | None:
         """The ticket at `offset` of `buf`; None when none was issued there."""
-        magic, status, rows, written, a_off, l_off, aux_w, hidden, code, nonce, err = (
+        magic, status, rows, written, a_off, l_off, aux_w, hidden, code, nonce, lo, count, err = (
             _TICKET.unpack_from(buf, offset)
         )
         if magic != _TICKET_MAGIC:
             return None
         text = err.rstrip(b"\0").decode(errors="replace")
-        return Ticket(status, rows, written, a_off, l_off, aux_w, hidden, code, text, nonce)
+        return Ticket(
+            status, rows, written, a_off, l_off, aux_w, hidden, code, text, nonce, lo, count
+        )
 
 
 def new_nonce() -> int:

@@ -187,13 +187,13 @@ def _patch_nonfinite(nonfinite) -> None:
         Injection.parse(spec, 0)  # a typo fails at start-up, not silently
         screen, check, nan_grad = guard.screen, guard.check, _nan_grad()
 
-        def poisoned_screen(self, feats, micro_step: int):
+        def poisoned_screen(self, feats, micro_step: int, group=None):
             if Injection.parse(spec, self.rank).hits("features", micro_step + 1):
                 aux = feats.aux_hidden.clone()
                 aux[:, 0, 0] = float("nan")
                 feats = dataclasses.replace(feats, aux_hidden=aux)
                 report(f"rank {self.rank}: NaN features in micro-batch {micro_step + 1}")
-            return screen(self, feats, micro_step)
+            return screen(self, feats, micro_step, group)
 
         def poisoned_check(self, loss, sample_ids, micro_step: int, boundary: bool):
             inj, step = Injection.parse(spec, self.rank), micro_step // self.grad_accum + 1

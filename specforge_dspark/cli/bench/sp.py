@@ -6,8 +6,9 @@ over gloo). The 1-rank run is the baseline measured in the same invocation.
 The draft is the recipe's (default recipes/smollm2_cpu.yaml with 8 heads of 64 and 4 KV
 heads: SmolLM2's 9 heads do not split over 2 ranks), its objective as written; the frozen
 head is random at the recipe's vocabulary (no target is loaded); one sequence of random
-features per length, every position supervised. As in train.py, a rank receives the whole
-sequence's features and cuts its slice. Lengths run in increasing order in one process per
+features per length, every position supervised. As in train.py, a rank receives only its
+window of the sequence's features (its slice and block_size - 1 rows after it, as the
+engine hands it: PaddedBatch.window). Lengths run in increasing order in one process per
 rank, so the process's peak resident memory after a length is that length's peak.
 One line per (ranks, length):
   sp ranks=<P> length=<S> peak_rss_growth_mb=<max over ranks, over the resident memory
@@ -72,9 +73,12 @@ def _worker(rank: int, ranks: int, store: str, recipe_path: str, overrides, leng
         g = torch.Generator().manual_seed(S)
         ids = torch.randint(0, V, (1, S), generator=g)
         mask = torch.ones(1, S, dtype=torch.long)
-        feats = SimpleNamespace(  # the whole sequence, as the stream delivers it
-            aux_hidden=torch.randn(1, S, m * H, generator=g),
-            last_hidden=torch.randn(1, S, H, generator=g),
+        lo, W = (0, S) if shard is None else shard.window(S, d.block_size - 1)
+        feats = SimpleNamespace(  # this rank's rows, as the stream delivers them
+            input_ids=ids,
+            aux_hidden=torch.randn(1, min(W, S - lo), m * H, generator=g),
+            last_hidden=torch.randn(1, min(W, S - lo), H, generator=g),
+            row0=lo,
         )
         aux, last = feats.aux_hidden, feats.last_hidden
         if shard is not None:
