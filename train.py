@@ -209,9 +209,8 @@ def screen(run: Run, feats, micro_step: int):
     from specforge_dspark.training.packing import pack_features
 
     feats = feats.to(run.device)
-    group = None if run.shard is None else run.shard.group  # its ranks hold slices: agree
     for d in run.drafters:  # per conversation; the same rows cleared for every drafter
-        screened = d.guard.screen(feats, micro_step, group)
+        screened = d.guard.screen(feats, micro_step, run.sequence_group)
     if run.pack_of is not None:  # data.pack: the conversations as their packed sequences
         screened = pack_features(screened, run.pack_of)
     return screened

@@ -170,7 +170,7 @@ def collect_features(
 
 
 def windowed(whole, window):
-    """What `_collect(..., window)` should give, cut from every position's features."""
+    """What `collect_features(..., window)` should give, cut from every position's features."""
     out = []
     for lengths, aux, last in whole:
         lo, W = window(aux.shape[1])

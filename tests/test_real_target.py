@@ -119,14 +119,14 @@ def test_init_recipe_names_the_tokens_it_considered_and_agrees_with_the_recipe(s
 @pytest.mark.slow
 def test_sglangs_features_for_smollm2_equal_the_hf_backends(smollm2_dir, tmp_path):
     from specforge_dspark.config.recipe import load_recipe
-    from tests.live_sglang import free_port
-    from tests.test_sglang_live import _batches, _collect, _max_diff
+    from tests.live_sglang import collect_features, free_port
+    from tests.test_sglang_live import _batches, _max_diff
 
     over = [f"target.path={smollm2_dir}", f"train.output_dir={tmp_path / 'run'}",
             f"target.sglang.port={free_port()}"]  # fmt: skip
     batches = _batches([[24, 7], [40]])  # short: SGLang prefills each in one piece
-    live = _collect(load_recipe(RECIPE, over), batches)
-    ref = _collect(load_recipe(RECIPE, [*over, "target.backend=hf"]), batches)
+    live = collect_features(load_recipe(RECIPE, over), batches)
+    ref = collect_features(load_recipe(RECIPE, [*over, "target.backend=hf"]), batches)
     _max_diff(live, ref)  # padding rows zero
     # fp32 through 30 layers by two engines' kernels: 1e-6 of each layer's largest value
     # alone, 0.0098 absolute (~1e-4 of values up to ~85) once in the loaded suite; a wrong

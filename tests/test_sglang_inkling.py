@@ -26,8 +26,8 @@ import torch
 from specforge_dspark.engines.api_key import auth_headers
 from specforge_dspark.engines.inkling_layout import convert_state, interleave, sglang_layout
 from tests.live_keys import API_KEY_ENV, attach_key
-from tests.live_sglang import free_port, tiny_sglang_recipe
-from tests.test_sglang_live import _batches, _collect, _hf_recipe, _max_diff
+from tests.live_sglang import collect_features, free_port, tiny_sglang_recipe
+from tests.test_sglang_live import _batches, _hf_recipe, _max_diff
 
 REPO = Path(__file__).resolve().parents[1]
 # each live step prefills under Triton's interpreter (~10 s at TP 2); six losses, each after
@@ -79,14 +79,14 @@ def test_the_sglang_layout_holds_every_weight_once(tiny_target_dir):
 
 def test_live_inkling_at_tp2_features_equal_the_hf_backend(inkling_server, tiny_target_dir):
     batches = _batches([[37, 5], [61, 32], [20, 9, 14]])  # short: ~15 prefill tokens/s here
-    live = _collect(_live_recipe(tiny_target_dir, inkling_server.url), batches)
+    live = collect_features(_live_recipe(tiny_target_dir, inkling_server.url), batches)
     log = inkling_server.log_path.read_text()
     assert "TP1]" in log, "the server did not run two TP ranks"
     # Pools sized by CPU_ENGINE_ARGS on every run, not by the host's free memory (which
     # another process can take between SGLang's two readings of it).
     assert re.findall(r"max_mamba_cache_size: (\d+)", log) == ["256", "256"], log[-3000:]
     assert "max_total_num_tokens=8192," in log
-    ref = _collect(_hf_recipe(tiny_target_dir), batches)
+    ref = collect_features(_hf_recipe(tiny_target_dir), batches)
     diff = _max_diff(live, ref)
     peak = max(aux.abs().max().item() for _, aux, _ in ref)
     print(f"SGLang Inkling at TP 2 vs hf: max abs diff {diff:.3g} (values up to {peak:.3g})")
@@ -123,7 +123,7 @@ def test_a_repeated_sequence_is_prefilled_again(inkling_server, tiny_target_dir)
     (batch,) = _batches([[56]], seed=11)
     recipe = _live_recipe(tiny_target_dir, inkling_server.url)
     before = len(_cached(inkling_server.log_path.read_text(), 56))
-    first, second = _collect(recipe, [batch]), _collect(recipe, [batch])
+    first, second = collect_features(recipe, [batch]), collect_features(recipe, [batch])
     assert _max_diff(first, second) == 0.0
     prefills = _logged_prefills(inkling_server, 56, before + 2)
     assert prefills[-2:] == [0, 0], "a feature request reused a cached prefix"

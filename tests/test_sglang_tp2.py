@@ -21,8 +21,8 @@ import pytest
 
 from specforge_dspark.engines import sglang as sglang_engine
 from specforge_dspark.engines.sglang_plugin import writer_rank
-from tests.live_sglang import LiveServer, tiny_sglang_recipe
-from tests.test_sglang_live import _batches, _collect, _hf_recipe, _losses, _max_diff, _train
+from tests.live_sglang import LiveServer, collect_features, tiny_sglang_recipe
+from tests.test_sglang_live import _batches, _hf_recipe, _losses, _max_diff, _train
 
 STEPS = 10  # ten optimizer updates, each loss equal to the hf backend's
 
@@ -46,8 +46,8 @@ def test_tp2_features_equal_the_hf_backend_and_both_ranks_write(
     monkeypatch.setattr(sglang_engine, "make_rid", recording)  # the trainer side's names
     batches = _batches([[37, 5], [120, 64, 9], [200, 1], [48, 90], [16, 33, 7], [75, 11]])
     recipe = tiny_sglang_recipe(tiny_qwen3_dir, url=tp2_server.url)
-    live = _collect(recipe, batches)
-    ref = _collect(_hf_recipe(tiny_qwen3_dir), batches)
+    live = collect_features(recipe, batches)
+    ref = collect_features(_hf_recipe(tiny_qwen3_dir), batches)
     diff = _max_diff(live, ref)
     writers = [writer_rank(r, 2) for r in rids]
     print(f"TP 2 vs hf features: max abs diff {diff:.3g}; writers {writers}")

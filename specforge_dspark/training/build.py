@@ -52,6 +52,12 @@ class Run:
     The caller closes it (idempotent) on every exit path."""
 
     @property
+    def sequence_group(self):
+        """The process group of this rank's sequence group (None without one): its ranks
+        hold slices of the same sequences, so they agree on what to clear."""
+        return None if self.shard is None else self.shard.group
+
+    @property
     def data_rank(self) -> int:
         """This rank's data shard: the ranks of a sequence group read the same batches."""
         return self.rank if self.shard is None else self.rank // self.shard.size
