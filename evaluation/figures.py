@@ -59,6 +59,13 @@ PUBLISHED = {
     "incumbent_real": ("runs/incumbent_real", "", ""),
     "long": ("runs/long", "", ""),
 }
+# results name -> the make command that writes it, where it is not `make <name>`
+MAKE_COMMAND = {
+    "loop_vllm": "make loop-vllm",
+    "incumbent_ladder": "make incumbent",
+    "loop_real": "make loop TARGET=smollm2",
+    "incumbent_real": "make incumbent TARGET=smollm2",
+}
 RENDER = {
     "demo": render_demo,
     "real": render_real,
@@ -125,7 +132,8 @@ def render(text: str, results: Path = RESULTS, in_docs: bool = False) -> str:
             if picture and (REPO / picture).is_file():
                 body += f"\n![{name}: accept length per workload, 95% intervals]({picture})\n"
         else:
-            body = (f"Not published yet: run `make {name}`, then "
+            command = MAKE_COMMAND.get(name, f"make {name}")
+            body = (f"Not published yet: run `{command}`, then "
                     f"`python -m evaluation.figures publish {name}`.\n")  # fmt: skip
         if in_docs:
             body = body.replace("](docs/", "](")

@@ -89,6 +89,16 @@ def test_a_results_file_without_provenance_and_an_unknown_block_are_refused(tmp_
         figures.render("<!-- figures:nosuch -->\n<!-- /figures:nosuch -->\n", tmp_path)
     text = "<!-- figures:bakeoff -->\nstale\n<!-- /figures:bakeoff -->\n"
     assert "run `make bakeoff`" in figures.render(text, tmp_path)  # nothing published yet
+    text = "<!-- figures:loop_real -->\n<!-- /figures:loop_real -->\n"
+    assert "run `make loop TARGET=smollm2`, then" in figures.render(text, tmp_path)
+
+
+def test_every_unpublished_block_names_a_make_target_the_makefile_has():
+    makefile = (REPO / "Makefile").read_text()
+    targets = set(re.findall(r"^([\w-]+):", makefile, re.M))
+    for name in figures.PUBLISHED:
+        command = figures.MAKE_COMMAND.get(name, f"make {name}").split()
+        assert command[0] == "make" and command[1] in targets, (name, command)
 
 
 def test_provenance_names_this_commit():
