@@ -4,9 +4,12 @@ environment under test are the ones training uses."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import signal
 import socket
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -132,6 +135,52 @@ class LiveServer:
 
     def __exit__(self, *exc) -> None:
         self.proc.stop()
+
+
+def kill_server_mid_run(
+    job: subprocess.Popen, out: Path, engine: str, at_step: int, steps: int, recipe: str
+) -> float:
+    """SIGKILL the process group of the `engine` server `job` (torchrun, started without
+    waiting, on 2 ranks of one node) started, once it has logged step `at_step` in
+    <out>/metrics.jsonl. The server is the one its pid file names (<out>/<engine>_server_
+    rank0.pid; the session leader of its group), not the lowest pid whose command line
+    matches (after a wrap of the pid space that can be one of its children: CI saw such a
+    kill leave the run to finish with status 0). The ranks are frozen (SIGSTOP) while the
+    kill lands, so none finishes the run on features it fetched before. The drill fails
+    when it would not land: the job ended, or fewer than target.prefetch + 2 steps were
+    left (the prefetched batches, and a rank a step ahead; target.prefetch read from
+    `recipe`, the run's own). Returns the time of the kill."""
+    from specforge_dspark.config.recipe import load_recipe
+
+    prefetch = load_recipe(recipe).target.prefetch
+    deadline = time.monotonic() + 400  # a trainer that starts its own server starts it first
+    while last_step(out) < at_step:
+        assert job.poll() is None, (out / "job.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, f"the run did not reach step {at_step}"
+        time.sleep(0.1)
+    ranks = [int(p) for p in subprocess.check_output(["pgrep", "-P", str(job.pid)]).split()]
+    for pid in ranks:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        reached = last_step(out)
+        assert reached <= steps - prefetch - 2, (
+            f"the fault would not land: the run was at step {reached} of {steps} when its "
+            f"ranks were frozen, with target.prefetch={prefetch} in {recipe}"
+        )
+        server = int((out / f"{engine}_server_rank0.pid").read_text())
+        assert os.getpgid(server) == server, f"server pid {server} leads no process group"
+        os.killpg(server, signal.SIGKILL)  # the server and every process it started
+        return time.monotonic()
+    finally:
+        for pid in ranks:
+            os.kill(pid, signal.SIGCONT)
+
+
+def last_step(out: Path) -> int:
+    """The last step <out>/metrics.jsonl logged a loss for (0: none yet)."""
+    path = out / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return max((m["step"] for m in map(json.loads, lines) if "loss" in m), default=0)
 
 
 def assert_failed_on_the_death(log_text: str, server: str, took: float, recipe: str) -> str:

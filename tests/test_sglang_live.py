@@ -38,6 +38,7 @@ from tests.live_sglang import (
     assert_failed_on_the_death,
     collect_features,
     free_port,
+    kill_server_mid_run,
     tiny_sglang_recipe,
     windowed,
 )
@@ -289,22 +290,14 @@ def test_killed_server_fails_fast_and_the_run_resumes_exactly(runs, sglang_serve
         out, "sglang", "--resume", "none", f"target.sglang.port={port}", "target.max_restarts=0",
         wait=False,
     )  # fmt: skip
-    deadline = time.monotonic() + 400  # the trainer starts its own server first
-    while not (out / "metrics.jsonl").is_file() or max(_losses(out), default=0) < 12:
-        assert job.poll() is None, (out / "job.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "the run did not reach step 12"
-        time.sleep(0.1)
-    server_pid = int(
-        subprocess.check_output(["pgrep", "-f", f"sglang.launch_server.*--port {port}"]).split()[0]
-    )
-    os.killpg(server_pid, signal.SIGKILL)  # the server and its scheduler, detokenizer
-    killed_at = time.monotonic()
+    recipe = "recipes/tiny_cpu_sglang.yaml"
+    killed_at = kill_server_mid_run(job, out, "sglang", 12, STEPS, recipe)
     job.wait(timeout=600)
     took = time.monotonic() - killed_at
     text = (out / "job.log").read_text()
     assert job.returncode != 0
     server = f"sglang server http://127.0.0.1:{port}"
-    named = assert_failed_on_the_death(text, server, took, "recipes/tiny_cpu_sglang.yaml")
+    named = assert_failed_on_the_death(text, server, took, recipe)
     key_kept_private(out)
     print(f"killed server: job failed {took:.1f}s later: {named.strip()[:300]}")
 

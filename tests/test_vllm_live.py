@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from tests.live_sglang import (
     assert_failed_on_the_death,
     collect_features,
     free_port,
+    kill_server_mid_run,
     tiny_sglang_recipe,
     windowed,
 )
@@ -147,22 +147,14 @@ def test_killed_vllm_server_fails_fast_and_the_run_resumes_exactly(runs, vllm_se
     job = train(
         out, "vllm", "--resume", "none", f"target.vllm.port={port}", wait=False
     )  # the trainer starts its own server
-    deadline = time.monotonic() + 400
-    while not (out / "metrics.jsonl").is_file() or max(losses(out), default=0) < 12:
-        assert job.poll() is None, (out / "job.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "the run did not reach step 12"
-        time.sleep(0.1)
-    server_pid = int(
-        subprocess.check_output(["pgrep", "-f", f"vllm.entrypoints.*--port {port}"]).split()[0]
-    )
-    os.killpg(server_pid, signal.SIGKILL)  # API server, engine core, worker
-    killed_at = time.monotonic()
+    recipe = "recipes/tiny_cpu_sglang.yaml"
+    killed_at = kill_server_mid_run(job, out, "vllm", 12, STEPS, recipe)
     job.wait(timeout=600)
     took = time.monotonic() - killed_at
     text = (out / "job.log").read_text()
     assert job.returncode != 0
     server = f"vllm server http://127.0.0.1:{port}"
-    named = assert_failed_on_the_death(text, server, took, "recipes/tiny_cpu_sglang.yaml")
+    named = assert_failed_on_the_death(text, server, took, recipe)
     print(f"killed vLLM server: job failed {took:.1f}s later: {named.strip()[:300]}")
 
     resumed = train(out, "vllm", "--resume", "auto", f"target.vllm.url={vllm_server.url}")
