@@ -144,9 +144,9 @@ def kill_server_mid_run(
     waiting, on 2 ranks of one node) started, once it has logged step `at_step` in
     <out>/metrics.jsonl. The server is the one its pid file names (<out>/<engine>_server_
     rank0.pid; the session leader of its group), not the lowest pid whose command line
-    matches (after a wrap of the pid space that can be one of its children: CI saw such a
-    kill leave the run to finish with status 0). The ranks are frozen (SIGSTOP) while the
-    kill lands, so none finishes the run on features it fetched before. The drill fails
+    matches (after a wrap of the pid space that can be one of its children; CI once saw a
+    drill's run finish with status 0). The ranks are frozen (SIGSTOP) while the kill
+    lands, so none finishes the run on features it fetched before. The drill fails
     when it would not land: the job ended, or fewer than target.prefetch + 2 steps were
     left (the prefetched batches, and a rank a step ahead; target.prefetch read from
     `recipe`, the run's own). Returns the time of the kill."""
