@@ -152,11 +152,14 @@ def kill_server_mid_run(
     `recipe`, the run's own). Returns the time of the kill."""
     from specforge_dspark.config.recipe import load_recipe
 
-    prefetch = load_recipe(recipe).target.prefetch
-    deadline = time.monotonic() + 400  # a trainer that starts its own server starts it first
+    target = load_recipe(recipe).target
+    prefetch = target.prefetch
+    # the recipe's own bounds: the server's start, then each step's request deadline
+    limit = getattr(target, engine).startup_timeout_s + at_step * target.timeout_s
+    deadline = time.monotonic() + limit
     while last_step(out) < at_step:
         assert job.poll() is None, (out / "job.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, f"the run did not reach step {at_step}"
+        assert time.monotonic() < deadline, f"no step {at_step} within {limit:g}s ({recipe})"
         time.sleep(0.1)
     ranks = [int(p) for p in subprocess.check_output(["pgrep", "-P", str(job.pid)]).split()]
     for pid in ranks:
