@@ -59,6 +59,8 @@ OURS = (
 OLD = ("draft.init=torch", "draft.norm_from_target=false", "objective.confidence_detach=false")
 NEW = ("draft.init=normal_backbone", "draft.norm_from_target=true",
        "objective.confidence_detach=true")  # fmt: skip
+# the same features from disk (cli.capture) instead of the live target: its cost alone
+OFFLINE = (*NEW, "target.backend=offline", "target.offline_dir={capture}")
 VARIANTS: dict[str, tuple[str, ...]] = {
     "base": OLD,
     "betas999": (*OLD, "optim.betas=[0.9,0.999]"),
@@ -70,8 +72,10 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "new_betas999": (*NEW, "optim.betas=[0.9,0.999]"),
     "std004": (*NEW, "draft.init_std=0.04"),
     "std001": (*NEW, "draft.init_std=0.01"),
-    # the same features from disk (cli.capture) instead of the live target: its cost alone
-    "offline": (*NEW, "target.backend=offline", "target.offline_dir={capture}"),
+    "offline": OFFLINE,
+    # SmolLM2's learning curve (issue 57): a higher rate, and 4x the steps, on the same capture
+    "offline_lr6e3": (*OFFLINE, "optim.lr=0.006"),
+    "offline_2k": (*OFFLINE, "train.max_steps=2000"),
 }
 # `make incumbent`: ours before and after; the ladder between them with --variants
 DEFAULT_VARIANTS = "base,markov_keep"
@@ -326,8 +330,10 @@ def main(argv: list[str] | None = None) -> int:
         "extras": extras,
         "runs": runs,
         "variants": {
-            v: list(VARIANTS.get(v, [f"base re-exported in {REEXPORTS.get(v)}"])) for v in variants
-        },  # fmt: skip
+            v: [c.format(capture=out / "capture") for c in VARIANTS.get(v, ())]
+            or [f"base re-exported in {REEXPORTS.get(v)}"]
+            for v in variants
+        },
         "seeds": seeds,
         "target": a.target,
         "recipe": RECIPE,

@@ -101,6 +101,18 @@ def test_problems_are_collected_into_one_error(tmp_path):
     assert "7 problem(s)" in msg
 
 
+def test_exponent_notation_is_a_number_in_a_file_and_an_override(tmp_path):
+    """PyYAML (YAML 1.1) reads `6e-3` as a string; a float field takes it as 0.006."""
+    tiny = REPO / "recipes" / "tiny_cpu.yaml"
+    text = tiny.read_text()
+    assert "  lr: 2.0e-3\n" in text
+    path = _write(tmp_path, text.replace("  lr: 2.0e-3\n", "  lr: 6e-3\n"))
+    assert load_recipe(path).optim.lr == 0.006
+    assert load_recipe(tiny, ["optim.lr=2E-4"]).optim.lr == 2e-4
+    with pytest.raises(RecipeError, match="optim.lr: expected a number, got 'nan'"):
+        load_recipe(tiny, ["optim.lr=nan"])
+
+
 @pytest.mark.parametrize(
     "raw, needle",
     [

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from typing import Any, Literal
 
 import yaml
 
+_DECIMAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+"""A number in decimal or exponent notation, as a string (not nan, inf or hex)."""
 _BOOL_WORDS = {True: ("on", "yes", "true"), False: ("off", "no", "false")}
 """The words YAML 1.1 turns into each boolean, for a Literal of words."""
 
@@ -103,6 +106,8 @@ def _coerce(tp: Any, value: Any, path: str, errors: list[str]) -> Any:
             return 0
         return value
     if tp is float:
+        if isinstance(value, str) and _DECIMAL.fullmatch(value.strip()):
+            return float(value)  # YAML 1.1 reads 6e-3 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, int | float):
             errors.append(f"{path}: expected a number, got {value!r}")
             return 0.0
