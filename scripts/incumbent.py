@@ -106,12 +106,13 @@ REEXPORTS = {"fp32_export": "float32"}
 # per target: recipe, output, on-policy rows (answers of at most `answer_tokens`, `batch` at
 # a time by the hf backend), overrides of every run of ours, and the command line's
 # defaults. SmolLM2 answers ~70 tokens/s batched here and decodes ~8x slower than the tiny
-# target: fewer, shorter rows, fewer steps and prompts; ours offline, as SpecForge.
+# target: fewer, shorter rows (make real's mix: the demo's shares in 320 rows), fewer steps
+# and prompts; ours offline, as SpecForge.
 TARGETS = {
     "tiny": {"recipe": RECIPE, "out": "runs/incumbent", "rows": 600, "batch": 60,
-             "answer_tokens": 160, "ours": (), "defaults": {}},
+             "answer_tokens": 160, "mix": demo.PROMPT_MIX, "ours": (), "defaults": {}},
     "smollm2": {"recipe": "recipes/smollm2_cpu.yaml", "out": "runs/incumbent_real",
-                "rows": 240, "batch": 48, "answer_tokens": 96,
+                "rows": 320, "batch": 48, "answer_tokens": 96, "mix": demo.REAL_MIX,
                 "ours": ("target.backend=hf",),  # the capture's source; SpecForge's features
                 "defaults": {"steps": 500, "variants": "offline", "num_prompts": 10,
                              "max_new_tokens": 64}},
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     target = build_real(base.target.real, target_path) if base.target.real else build(target_path)
     demo.fresh_for_target(out, target)
     data = demo.on_policy_data(RECIPE, base, out, chosen["rows"], chosen["batch"],
-                               chosen["answer_tokens"])  # fmt: skip
+                               chosen["answer_tokens"], mix=chosen["mix"])  # fmt: skip
     overrides = [*data, *OURS, *chosen["ours"], f"train.max_steps={a.steps}"]
     recipe = load_recipe(RECIPE, [*overrides, f"train.output_dir={out}"])
 

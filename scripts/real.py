@@ -35,14 +35,6 @@ import demo  # noqa: E402  (prompt mix, evaluation split, tables)
 
 RECIPE = "recipes/smollm2_cpu.yaml"
 DRAFTERS = ("trained", "untrained", "ngram")
-# SGLang's CPU engine answers ~90 tokens/s here (32 requests at a time), so 320 answers of
-# at most 96 tokens take ~5 min; the mix is the demo's in the same shares
-MIX = (
-    ("train/gsm8k_train.jsonl", "question", 0, 160),
-    ("eval/math500_test.jsonl", "problem", 100, 80),
-    ("eval/humaneval.jsonl", "prompt", 100, 32),
-    ("train/sharegpt_sample.json", "conversations", 0, 48),
-)
 # ~1.9 s a step with the server and both ranks on 2 cores: 500 steps ~16 min
 TRAIN = ("train.max_steps=500", "train.epochs=100", "checkpoint.save_interval=250")
 
@@ -131,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.step("2/5 on-policy data: SGLang serves the target, which answers the training mix")
     t = time.time()
     regen = out / "data" / "mix_regenerated.jsonl"
-    mix = demo.prompt_mix(out / "data" / "prompt_mix.jsonl", MIX)
+    mix = demo.prompt_mix(out / "data" / "prompt_mix.jsonl", demo.REAL_MIX)
     regenerate(str(target), mix, regen, a.regen_rows, a.regen_max_new_tokens, 30630)
     split["regeneration"] = time.time() - t
     overrides = [f"train.output_dir={a.out}", f"data.train_files=[{regen}]",
@@ -184,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             "rows": a.regen_rows,
             "regen_max_new_tokens": a.regen_max_new_tokens,
         },
-        "training_prompts": [f"{f}[{s}:{s + n}] ({fld})" for f, fld, s, n in MIX],
+        "training_prompts": [f"{f}[{s}:{s + n}] ({fld})" for f, fld, s, n in demo.REAL_MIX],
         "recipe": RECIPE,
         "overrides": overrides,
         "num_prompts": a.num_prompts,
