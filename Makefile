@@ -192,7 +192,8 @@ $(SF_STAMP): requirements-specforge.txt
 # (runs/incumbent/summary.json; publish with `python -m evaluation.figures publish
 # incumbent`; the ladder of changes between base and the defaults: see docs/incumbent.md).
 # About 47 minutes on a fresh machine. TARGET=smollm2: the race on the real SmolLM2, both
-# sides offline on the same features (runs/incumbent_real; publish incumbent_real).
+# sides offline on the same features of make real's 320 prompts (runs/incumbent_real; publish
+# incumbent_real): about 2 hours here.
 incumbent: setup tiny-target specforge-venv $(REAL_DEPS)
 	$(PY) scripts/incumbent.py --nproc $(NPROC) --target $(TARGET) \
 		$(if $(filter tiny,$(TARGET)),--timing)

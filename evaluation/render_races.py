@@ -87,10 +87,14 @@ def render_incumbent(res: dict, name: str = "incumbent") -> str:
     workloads = [w for w in sides["specforge"] if w != "overall"]
     seeds = ", ".join(map(str, res["seeds"]))
     target = {"smollm2": "SmolLM2-135M-Instruct"}.get(res.get("target"), "the tiny Inkling")
+    data = ""  # the training prompts, where the results file names them
+    if res.get("training_prompts"):
+        data = f" (the target's answers to {res['rows']} prompts: "
+        data += ", ".join(res["training_prompts"]) + ")"
     lines = [
         f"Accept length on the demo's held-out prompts ({res['num_prompts']} per workload, "
         f"{res['max_new_tokens']} new tokens), target {target}, each side trained "
-        f"{res['steps']} steps x 2 ranks with seeds {seeds} and pooled over them, 95% "
+        f"{res['steps']} steps x 2 ranks with seeds {seeds} and pooled over them{data}, 95% "
         "intervals. " + source_line(res, name),
         "| trainer | overall | " + " | ".join(workloads) + " |",
         "|---" * (len(workloads) + 2) + "|",
