@@ -40,14 +40,12 @@ PROMPT_MIX = (
     ("eval/humaneval.jsonl", "prompt", 100, 64),
     ("train/sharegpt_sample.json", "conversations", 0, 86),
 )
-# The same shares in 320 rows, for the real SmolLM2 target, which answers ~90 tokens/s here
-# (make real, make incumbent TARGET=smollm2): 320 answers of at most 96 tokens take ~5 min
-REAL_MIX = (
-    ("train/gsm8k_train.jsonl", "question", 0, 160),
-    ("eval/math500_test.jsonl", "problem", 100, 80),
-    ("eval/humaneval.jsonl", "prompt", 100, 32),
-    ("train/sharegpt_sample.json", "conversations", 0, 48),
-)
+# The same shares in 320 rows for SmolLM2 (make real, make incumbent TARGET=smollm2), which
+# answers ~90 tokens/s here: 320 answers of at most 96 tokens take ~5 min
+REAL_MIX = (("train/gsm8k_train.jsonl", "question", 0, 160),
+            ("eval/math500_test.jsonl", "problem", 100, 80),
+            ("eval/humaneval.jsonl", "prompt", 100, 32),
+            ("train/sharegpt_sample.json", "conversations", 0, 48))  # fmt: skip
 # served accept length during training and the confidence calibration of the export
 # Five passes over the 600 on-policy answers (1500 steps, ~3 min here): on held-out prompts
 # one pass (300 steps) gave accept length 2.17 overall, below the n-gram drafter's 2.33;
@@ -83,9 +81,8 @@ def prompt_mix(out: Path, mix: tuple = PROMPT_MIX) -> Path:
     return out
 
 
-def on_policy_data(recipe_path: str, base, out: Path, rows: int, batch: int,
-                   max_new_tokens: int, overrides=(),
-                   mix: tuple = PROMPT_MIX) -> list[str]:  # fmt: skip
+def on_policy_data(recipe_path: str, base, out: Path, rows: int, batch: int, max_new_tokens: int,
+                   overrides=(), mix: tuple = PROMPT_MIX) -> list[str]:  # fmt: skip
     """The target answers `mix`'s first `rows` prompts and EVAL_REGEN_ROWS GSM8K test
     prompts (out/data/, regenerated only where missing rows); the recipe overrides that
     train on them (`base`: the recipe loaded from `recipe_path`; `overrides`: the
