@@ -17,6 +17,7 @@ from tests.live_sglang import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 100
+TINY = "recipes/tiny_cpu.yaml"
 SMALL = [
     f"train.max_steps={STEPS}", "train.log_interval=1", "train.eval_interval=0",
     "checkpoint.save_interval=20", "checkpoint.keep_last=2", "data.max_rows=96",
@@ -36,7 +37,7 @@ def launch(
     else:
         topo = ["--nnodes", str(nodes), "--node_rank", str(node_rank), "--nproc_per_node", "1",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]  # fmt: skip
-    recipe = ["--recipe", "recipes/tiny_cpu.yaml", f"train.output_dir={out}"]
+    recipe = ["--recipe", TINY, f"train.output_dir={out}"]
     cmd = [
         sys.executable,
         "-m",
@@ -71,20 +72,68 @@ def losses(out: Path) -> dict[int, float]:
     return found
 
 
-def wait_step(out: Path, step: int, *jobs: subprocess.Popen, timeout: float = 400) -> None:
+def step_bound_s(*overrides: str, recipe: str = TINY) -> float:
+    """How long a healthy run of `recipe` with `overrides` (command-line flags skipped) may
+    go without logging a step by its own rules, so that a wait on it fails only on a hang.
+    Before the first step: its target started (an hf worker within engines/hf.py
+    STARTUP_TIMEOUT_S, a server within target.<engine>.startup_timeout_s) and answering
+    within target.timeout_s. Between steps: a lost target seen after target.timeout_s and
+    restarted up to target.max_restarts times in a row, each after its backoff, started and
+    answering as above (config/validate.py restart_budget_s, with the hf worker's start-up
+    for an hf target). A checkpoint save or a stop at a step boundary is part of a step."""
+    from specforge_dspark.config.recipe import load_recipe
+    from specforge_dspark.config.validate import restart_budget_s
+    from specforge_dspark.engines.hf import STARTUP_TIMEOUT_S
+
+    keys = [o for o in overrides if not o.startswith("--") and "=" in o]  # not --resume auto
+    r = load_recipe(REPO / recipe, keys)
+    g = r.target
+    if g.backend != "hf":
+        return max(getattr(g, g.backend).startup_timeout_s + g.timeout_s, restart_budget_s(r))
+    n = g.max_restarts
+    restarts = (
+        g.timeout_s + n * (STARTUP_TIMEOUT_S + g.timeout_s) + g.restart_backoff_s * (2**n - 1)
+    )
+    return max(STARTUP_TIMEOUT_S + g.timeout_s, restarts)
+
+
+def wait_until(out: Path, done, what: str, overrides: tuple = (), recipe: str = TINY) -> None:
+    """Until `done()`; fails when `out`/metrics.jsonl gains no step for step_bound_s of
+    the run's `recipe` and `overrides` (a hang, not a speed, fails here)."""
+    bound = step_bound_s(*overrides, recipe=recipe)
+    seen, since = max(losses(out), default=0), time.monotonic()
+    while not done():
+        step = max(losses(out), default=0)
+        if step != seen:
+            seen, since = step, time.monotonic()
+        assert time.monotonic() - since < bound, (
+            f"{what}: no step logged for {bound:g}s after step {seen} (step_bound_s: the "
+            f"run's own bound, so it hangs)"
+        )
+        time.sleep(0.05)
+
+
+def wait_step(out: Path, step: int, *jobs: subprocess.Popen, overrides: tuple = ()) -> None:
     """Until these jobs (not an earlier one whose lines are still in metrics.jsonl) have
-    logged step `step`."""
-    deadline = time.monotonic() + timeout
+    logged step `step`; fails when one ends first, or on a hang (step_bound_s of the
+    run's `overrides`)."""
     metrics = out / "metrics.jsonl"
-    started = max(job.started for job in jobs)
-    while True:
-        fresh = metrics.is_file() and metrics.stat().st_mtime > started
-        if fresh and max(losses(out), default=0) >= step:
-            return
+    started = max(getattr(job, "started", 0.0) for job in jobs)
+
+    def reached() -> bool:
         for job in jobs:
             assert job.poll() is None, f"job ended (rc {job.returncode}) before step {step}"
-        assert time.monotonic() < deadline, f"no step {step} within {timeout:g}s"
-        time.sleep(0.05)
+        fresh = metrics.is_file() and metrics.stat().st_mtime > started
+        return fresh and max(losses(out), default=0) >= step
+
+    wait_until(out, reached, f"waiting for step {step}", overrides)
+
+
+def wait_end(job: subprocess.Popen, out: Path, overrides: tuple = (), recipe: str = TINY) -> int:
+    """The job's exit status, once it ends; fails only on a hang (step_bound_s)."""
+    wait_until(out, lambda: job.poll() is not None, "waiting for the job to end", overrides,
+               recipe)  # fmt: skip
+    return job.returncode
 
 
 def ranks(job: subprocess.Popen) -> list[psutil.Process]:
@@ -111,9 +160,8 @@ def kill_job(job: subprocess.Popen) -> None:
     psutil.wait_procs(procs, timeout=30)
 
 
-def finish(out: Path, timeout: float = 600) -> int:
-    job = launch(out, "--resume", "auto")
-    return job.wait(timeout)
+def finish(out: Path) -> int:
+    return wait_end(launch(out, "--resume", "auto"), out)
 
 
 def weights(out: Path) -> dict[str, torch.Tensor]:

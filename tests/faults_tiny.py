@@ -12,10 +12,12 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
+from tests.faults_helpers import wait_end
 from tests.inject import drills
 from tests.live_sglang import free_port
 
@@ -65,14 +67,24 @@ def environment(out: Path, env: dict | None) -> dict:
 
 def train(out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """One blocking 2-rank run into `out` (stdout, stderr captured)."""
-    return subprocess.run(
-        command(out, *extra),
-        cwd=REPO,
-        env=environment(out, env),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return run(command(out, *extra), out, extra, env)
+
+
+def run(
+    cmd: list[str], out: Path, overrides: tuple = (), env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """`cmd` to its end with the test-side environment (stdout, stderr captured); only a
+    hang fails the wait (faults_helpers.wait_end: the run's own bound, by `overrides`)."""
+    with tempfile.TemporaryFile("w+") as so, tempfile.TemporaryFile("w+") as se:
+        job = subprocess.Popen(cmd, cwd=REPO, env=environment(out, env), stdout=so, stderr=se)
+        try:
+            code = wait_end(job, out, tuple(overrides))
+        finally:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+        so.seek(0), se.seek(0)
+        return subprocess.CompletedProcess(cmd, code, so.read(), se.read())
 
 
 @functools.cache

@@ -14,7 +14,6 @@ import os
 import re
 import signal
 import subprocess
-import time
 
 import psutil
 import pytest
@@ -23,6 +22,7 @@ import torch
 from specforge_dspark.training.stream import FeatureStream
 from specforge_dspark.transport.features import TargetLost
 from tests import faults_tiny as ft
+from tests.faults_helpers import wait_end, wait_step, wait_until
 from tests.test_stream import make_samples, tiny_recipe
 
 SAMPLES = make_samples([17, 30, 9, 41, 25, 25, 12, 50, 33, 20])
@@ -82,26 +82,23 @@ def test_past_the_budget_the_error_names_the_worker_and_the_budget(tiny_target_d
     assert "gave up after 0 restart(s) in a row: target.max_restarts=0" in msg
 
 
-def _find(job: subprocess.Popen, name: str, timeout: float = 120) -> psutil.Process:
-    """The process called `name` (its comm) under the launcher `job`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def _find(job: subprocess.Popen, name: str, out, extra: tuple) -> psutil.Process:
+    """The process called `name` (its comm) under the launcher `job`, once it starts."""
+    found = []
+
+    def started() -> bool:
+        assert job.poll() is None, f"the run ended before {name} started"
         for p in psutil.Process(job.pid).children(recursive=True):
             try:
                 if p.name() == name:
-                    return p
+                    found.append(p)
+                    return True
             except psutil.NoSuchProcess:
                 continue
-        time.sleep(0.1)
-    raise AssertionError(f"no process {name} under the launcher")
+        return False
 
-
-def _wait_step(out, step: int, job: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not (out / "metrics.jsonl").is_file() or max(ft.losses(out), default=0) < step:
-        assert job.poll() is None, f"the run ended before step {step}"
-        assert time.monotonic() < deadline, f"no step {step} within {timeout:g}s"
-        time.sleep(0.05)
+    wait_until(out, started, f"waiting for {name}", extra)
+    return found[0]
 
 
 @pytest.mark.slow
@@ -119,12 +116,13 @@ def test_run_survives_a_killed_and_a_hung_worker(tmp_path, tmp_path_factory, tin
         start_new_session=True,
     )
     try:
-        first, second = _find(job, "hf-target-rank0"), _find(job, "hf-target-rank1")
-        _wait_step(out, 2, job)
+        first = _find(job, "hf-target-rank0", out, extra)
+        second = _find(job, "hf-target-rank1", out, extra)
+        wait_step(out, 2, job, overrides=extra)
         first.kill()
-        _wait_step(out, 4, job)
+        wait_step(out, 4, job, overrides=extra)
         second.suspend()  # SIGSTOP: alive, silent
-        assert job.wait(300) == 0, (tmp_path / "job.log").read_text()[-3000:]
+        assert wait_end(job, out, extra) == 0, (tmp_path / "job.log").read_text()[-3000:]
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
@@ -153,8 +151,9 @@ def test_a_lost_worker_on_rank_1_fails_the_job_as_resumable(tmp_path, tiny_targe
     rank 0 then meets; and the resume it promises succeeds."""
     out = tmp_path / "run"
     log = open(tmp_path / "job.log", "w")
+    extra = ("--resume", "none", "target.max_restarts=0")
     job = subprocess.Popen(
-        ft.command(out, "--resume", "none", "target.max_restarts=0"),
+        ft.command(out, *extra),
         cwd=ft.REPO,
         env=ft.environment(out, None),
         stdout=log,
@@ -162,10 +161,10 @@ def test_a_lost_worker_on_rank_1_fails_the_job_as_resumable(tmp_path, tiny_targe
         start_new_session=True,
     )
     try:
-        worker = _find(job, "hf-target-rank1")
-        _wait_step(out, 2, job)
+        worker = _find(job, "hf-target-rank1", out, extra)
+        wait_step(out, 2, job, overrides=extra)
         worker.kill()
-        assert job.wait(300) != 0
+        assert wait_end(job, out, extra) != 0
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)

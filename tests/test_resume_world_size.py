@@ -135,21 +135,19 @@ def test_other_global_batches_are_refused_naming_the_keys(tmp_path):
 def _train(out: Path, ranks: int, *extra: str) -> subprocess.CompletedProcess:
     cmd = ft.command(out, *ROWS, *extra)
     cmd[cmd.index("--nproc_per_node") + 1] = str(ranks)
-    return _run(cmd, out)
+    return _run(cmd, out, (*ROWS, *extra))
 
 
 def _resave(ckpt: Path, out: Path, ranks: int) -> Path:
     """`ckpt` loaded on `ranks` ranks and saved again untrained: out/ckpt/step-N."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
     cmd += ["--master_port", str(free_port()), "-m", "tests.resave_checkpoint"]
-    _run([*cmd, RECIPE, str(ckpt), str(out), *ft.OVERRIDES, *ROWS], out)
+    _run([*cmd, RECIPE, str(ckpt), str(out), *ft.OVERRIDES, *ROWS], out, ROWS)
     return out / "ckpt" / ckpt.name
 
 
-def _run(cmd: list[str], out: Path) -> subprocess.CompletedProcess:
-    p = subprocess.run(
-        cmd, cwd=ft.REPO, env=ft.environment(out, None), capture_output=True, text=True, timeout=600
-    )
+def _run(cmd: list[str], out: Path, overrides: tuple) -> subprocess.CompletedProcess:
+    p = ft.run(cmd, out, overrides)
     assert p.returncode == 0, p.stderr[-3000:]
     return p
 

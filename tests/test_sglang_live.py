@@ -31,6 +31,7 @@ import torch
 from specforge_dspark.engines.pool import PORT_STRIDE
 from specforge_dspark.engines.server import port_taken
 from specforge_dspark.transport.features import Sample
+from tests.faults_helpers import wait_end, wait_until
 from tests.inject import drills
 from tests.live_keys import API_KEY_ENV, attach_key, key_kept_private, refused_without_key
 from tests.live_sglang import (
@@ -45,6 +46,7 @@ from tests.live_sglang import (
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 30
+RECIPE = "recipes/tiny_cpu_sglang.yaml"
 
 
 def _batches(lengths: list[list[int]], seed: int = 0) -> list[list[Sample]]:
@@ -189,7 +191,7 @@ def test_split_prefills_arrive_whole(chunked_server, tiny_qwen3_dir):
 def _train(out: Path, backend: str, *extra: str, wait: bool = True):
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_port", str(free_port()), "train.py", "--recipe", "recipes/tiny_cpu_sglang.yaml",
+        "--master_port", str(free_port()), "train.py", "--recipe", RECIPE,
         f"train.output_dir={out}", f"train.max_steps={STEPS}", "train.log_interval=1",
         "train.eval_interval=0", "checkpoint.save_interval=10", "checkpoint.keep_last=3",
         "data.max_rows=96", "data.max_length=160", "objective.num_anchors=16",
@@ -202,9 +204,15 @@ def _train(out: Path, backend: str, *extra: str, wait: bool = True):
     log = open(out / "job.log", "w")  # the child keeps its own descriptor
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     log.close()
+    proc.overrides = cmd[cmd.index(RECIPE) + 1 :]  # what bounds its waits
     if wait:
-        proc.wait(timeout=600)
+        _end(proc, out)
     return proc
+
+
+def _end(job: subprocess.Popen, out: Path) -> int:
+    """The job's exit status; only a hang fails the wait (faults_helpers.step_bound_s)."""
+    return wait_end(job, out, job.overrides, RECIPE)
 
 
 def _losses(out: Path) -> dict[int, float]:
@@ -271,7 +279,7 @@ def test_a_pool_loses_a_server_mid_run_and_trains_every_sample_once(
     _reach(out, job, 8)
     served = chunked_server.log_path.read_text().count("POST /generate")
     os.killpg(chunked_server.pid, signal.SIGKILL)
-    assert job.wait(timeout=600) == 0, (out / "job.log").read_text()[-3000:]
+    assert _end(job, out) == 0, (out / "job.log").read_text()[-3000:]
     text = (out / "job.log").read_text()
     assert served > 2, "the killed server had served nothing before it died"  # + its probes
     assert f"{chunked_server.url} is lost: dropped from target.sglang.urls" in text, text[-3000:]
@@ -290,14 +298,13 @@ def test_killed_server_fails_fast_and_the_run_resumes_exactly(runs, sglang_serve
         out, "sglang", "--resume", "none", f"target.sglang.port={port}", "target.max_restarts=0",
         wait=False,
     )  # fmt: skip
-    recipe = "recipes/tiny_cpu_sglang.yaml"
-    killed_at = kill_server_mid_run(job, out, "sglang", 12, STEPS, recipe)
-    job.wait(timeout=600)
+    killed_at = kill_server_mid_run(job, out, "sglang", 12, STEPS, RECIPE)
+    _end(job, out)
     took = time.monotonic() - killed_at
     text = (out / "job.log").read_text()
     assert job.returncode != 0
     server = f"sglang server http://127.0.0.1:{port}"
-    named = assert_failed_on_the_death(text, server, took, recipe)
+    named = assert_failed_on_the_death(text, server, took, RECIPE)
     key_kept_private(out)
     print(f"killed server: job failed {took:.1f}s later: {named.strip()[:300]}")
 
@@ -317,12 +324,12 @@ def _ids(out: Path, rank: int) -> list[list[int]]:
     return [r["sample_ids"] for r in map(json.loads, lines)]
 
 
-def _reach(out: Path, job: subprocess.Popen, step: int, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not (out / "metrics.jsonl").is_file() or max(_losses(out), default=0) < step:
+def _reach(out: Path, job: subprocess.Popen, step: int) -> None:
+    def reached() -> bool:
         assert job.poll() is None, (out / "job.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, f"the run did not reach step {step}"
-        time.sleep(0.1)
+        return (out / "metrics.jsonl").is_file() and max(_losses(out), default=0) >= step
+
+    wait_until(out, reached, f"waiting for step {step}", job.overrides, RECIPE)
 
 
 def _ports_for(servers: int) -> int:
@@ -363,7 +370,7 @@ def test_the_nodes_servers_are_killed_and_hung_and_the_run_is_unchanged(runs):
         stopped = int(pid_files[0].read_text())
         os.killpg(stopped, signal.SIGSTOP)  # a hang: alive, silent
         t0 = time.monotonic()
-        assert job.wait(timeout=400) == 0, (out / "job.log").read_text()[-3000:]
+        assert _end(job, out) == 0, (out / "job.log").read_text()[-3000:]
         took = time.monotonic() - t0
     finally:
         if job.poll() is None:

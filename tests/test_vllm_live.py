@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from specforge_dspark.transport.features import Sample
+from tests.faults_helpers import wait_end
 from tests.live_keys import attach_key, refused_without_key
 from tests.live_sglang import (
     assert_failed_on_the_death,
@@ -106,8 +107,8 @@ def train(out: Path, backend: str, *extra: str, wait: bool = True) -> subprocess
     log = open(out / "job.log", "w")  # the child keeps its own descriptor
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     log.close()
-    if wait:
-        proc.wait(timeout=600)
+    if wait:  # only a hang fails the wait (faults_helpers.step_bound_s)
+        wait_end(proc, out, cmd[cmd.index("--recipe") + 2 :], "recipes/tiny_cpu_sglang.yaml")
     return proc
 
 
