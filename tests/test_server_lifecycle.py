@@ -36,7 +36,7 @@ from specforge_dspark.engines.server import (
     kill_group,
     pid_file_current,
 )
-from tests.faults_helpers import kill_job, ranks
+from tests.faults_helpers import kill_job, ranks, step_bound_s
 from tests.live_sglang import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -195,8 +195,9 @@ def test_a_sigkilled_training_job_takes_its_sglang_server_along(tmp_path):
         )
     pid_file = out / "sglang_server_rank0.pid"
     try:
-        _wait(lambda: pid_file.is_file(), "no server started", 300)
-        _wait(lambda: http_ok(f"http://127.0.0.1:{port}/health_generate"), "server up", 300)
+        start = step_bound_s(recipe="recipes/tiny_cpu_sglang.yaml")  # its start-up, by the recipe
+        _wait(lambda: pid_file.is_file(), "no server started", start)
+        _wait(lambda: http_ok(f"http://127.0.0.1:{port}/health_generate"), "server up", start)
         pid = int(pid_file.read_text())
         assert job.poll() is None, (out / "job.log").read_text()[-3000:]
         trainers = [psutil.Process(job.pid), *ranks(job)]  # not the server, not its reaper

@@ -16,7 +16,7 @@ restarts.
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 import re
 import signal
@@ -31,9 +31,9 @@ import torch
 from specforge_dspark.engines.pool import PORT_STRIDE
 from specforge_dspark.engines.server import port_taken
 from specforge_dspark.transport.features import Sample
-from tests.faults_helpers import wait_end, wait_until
-from tests.inject import drills
-from tests.live_keys import API_KEY_ENV, attach_key, key_kept_private, refused_without_key
+from tests import live_train
+from tests.faults_helpers import wait_until
+from tests.live_keys import API_KEY_ENV, key_kept_private, refused_without_key
 from tests.live_sglang import (
     LiveServer,
     assert_failed_on_the_death,
@@ -46,7 +46,7 @@ from tests.live_sglang import (
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 30
-RECIPE = "recipes/tiny_cpu_sglang.yaml"
+RECIPE = live_train.RECIPE
 
 
 def _batches(lengths: list[list[int]], seed: int = 0) -> list[list[Sample]]:
@@ -188,41 +188,12 @@ def test_split_prefills_arrive_whole(chunked_server, tiny_qwen3_dir):
 # --------------------------------------------------------------------------- training
 
 
-def _train(out: Path, backend: str, *extra: str, wait: bool = True):
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_port", str(free_port()), "train.py", "--recipe", RECIPE,
-        f"train.output_dir={out}", f"train.max_steps={STEPS}", "train.log_interval=1",
-        "train.eval_interval=0", "checkpoint.save_interval=10", "checkpoint.keep_last=3",
-        "data.max_rows=96", "data.max_length=160", "objective.num_anchors=16",
-        "objective.chunk_size=8", "tracking.enabled=false", "export.formats=[sglang]",
-        "train.preflight_samples=0",
-        f"target.backend={backend}", *extra, *attach_key(extra),
-    ]  # fmt: skip
-    env = drills.environment({**os.environ, "OMP_NUM_THREADS": "1", drills.IDS: str(out / "ids")})
-    (out / "ids").mkdir(parents=True, exist_ok=True)
-    log = open(out / "job.log", "w")  # the child keeps its own descriptor
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    proc.overrides = cmd[cmd.index(RECIPE) + 1 :]  # what bounds its waits
-    if wait:
-        _end(proc, out)
-    return proc
-
-
-def _end(job: subprocess.Popen, out: Path) -> int:
-    """The job's exit status; only a hang fails the wait (faults_helpers.step_bound_s)."""
-    return wait_end(job, out, job.overrides, RECIPE)
-
-
-def _losses(out: Path) -> dict[int, float]:
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return {m["step"]: m["loss"] for m in map(json.loads, lines) if "loss" in m}
+_train = functools.partial(live_train.train, steps=STEPS)
+_end, _losses, _ids = live_train.end, live_train.losses, live_train.trained_ids
 
 
 def _weights(out: Path) -> dict[str, torch.Tensor]:
-    ckpt = out / "ckpt" / f"step-{STEPS}" / "mp_rank_00_model_states.pt"
-    return torch.load(ckpt, weights_only=False)["module"]
+    return live_train.weights(out, STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -317,11 +288,6 @@ def test_killed_server_fails_fast_and_the_run_resumes_exactly(runs, sglang_serve
         assert got[step] == pytest.approx(want[step], rel=1e-5), f"step {step}"
     a, b = _weights(runs / "sglang"), _weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def _ids(out: Path, rank: int) -> list[list[int]]:
-    lines = (out / "ids" / f"rank{rank}.jsonl").read_text().splitlines()
-    return [r["sample_ids"] for r in map(json.loads, lines)]
 
 
 def _reach(out: Path, job: subprocess.Popen, step: int) -> None:

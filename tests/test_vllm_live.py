@@ -10,10 +10,8 @@ uninterrupted run.
 
 from __future__ import annotations
 
+import functools
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,8 +19,8 @@ import pytest
 import torch
 
 from specforge_dspark.transport.features import Sample
-from tests.faults_helpers import wait_end
-from tests.live_keys import attach_key, refused_without_key
+from tests import live_train
+from tests.live_keys import refused_without_key
 from tests.live_sglang import (
     assert_failed_on_the_death,
     collect_features,
@@ -91,35 +89,12 @@ def test_live_vllm_features_equal_the_hf_backend(vllm_server, tiny_qwen3_dir):
 # --------------------------------------------------------------------------- training
 
 
-def train(out: Path, backend: str, *extra: str, wait: bool = True) -> subprocess.Popen:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_port", str(free_port()), "train.py", "--recipe", "recipes/tiny_cpu_sglang.yaml",
-        f"train.output_dir={out}", f"train.max_steps={STEPS}", "train.log_interval=1",
-        "train.eval_interval=0", "checkpoint.save_interval=10", "checkpoint.keep_last=3",
-        "data.max_rows=96", "data.max_length=160", "objective.num_anchors=16",
-        "objective.chunk_size=8", "tracking.enabled=false", "export.formats=[sglang]",
-        "train.preflight_samples=0", f"target.backend={backend}", *extra,
-        *attach_key(extra, "vllm"),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out.mkdir(parents=True, exist_ok=True)
-    log = open(out / "job.log", "w")  # the child keeps its own descriptor
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    if wait:  # only a hang fails the wait (faults_helpers.step_bound_s)
-        wait_end(proc, out, cmd[cmd.index("--recipe") + 2 :], "recipes/tiny_cpu_sglang.yaml")
-    return proc
-
-
-def losses(out: Path) -> dict[int, float]:
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return {m["step"]: m["loss"] for m in map(json.loads, lines) if "loss" in m}
+train = functools.partial(live_train.train, steps=STEPS, engine="vllm")
+losses = live_train.losses
 
 
 def weights(out: Path) -> dict[str, torch.Tensor]:
-    ckpt = out / "ckpt" / f"step-{STEPS}" / "mp_rank_00_model_states.pt"
-    return torch.load(ckpt, weights_only=False)["module"]
+    return live_train.weights(out, STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -148,9 +123,9 @@ def test_killed_vllm_server_fails_fast_and_the_run_resumes_exactly(runs, vllm_se
     job = train(
         out, "vllm", "--resume", "none", f"target.vllm.port={port}", wait=False
     )  # the trainer starts its own server
-    recipe = "recipes/tiny_cpu_sglang.yaml"
+    recipe = live_train.RECIPE
     killed_at = kill_server_mid_run(job, out, "vllm", 12, STEPS, recipe)
-    job.wait(timeout=600)
+    live_train.end(job, out)
     took = time.monotonic() - killed_at
     text = (out / "job.log").read_text()
     assert job.returncode != 0
